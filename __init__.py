@@ -1,0 +1,30 @@
+"""tokenmill: an LLM inference engine with vLLM V1's architecture.
+
+The public names mirror vLLM's (`from tokenmill import LLM, SamplingParams`). They are
+resolved lazily so that importing a subpackage (the protocol in a worker, say) does not pull
+in the whole frontend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "LLM": "tokenmill.frontend.llm",
+    "SamplingParams": "tokenmill.protocol.messages",
+    "RequestOutput": "tokenmill.frontend.outputs",
+    "CompletionOutput": "tokenmill.frontend.outputs",
+    "EngineArgs": "tokenmill.protocol.config",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

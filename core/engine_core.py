@@ -1,0 +1,142 @@
+"""EngineCore: the scheduling loop around one executor, independent of any socket.
+
+Start-up follows vLLM's order: executor (workers load the model) -> KV cache sizing -> the
+scheduler. `step()` runs one schedule -> execute -> update cycle and returns the outputs that
+the clients turn into RequestOutputs. The InprocClient calls it directly; the engine-core
+process wraps it in a socket loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tokenmill.core.executor.base import Executor
+from tokenmill.core.kv_cache.sizing import KVCacheSizing, compute_kv_cache_sizing
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.protocol import envs
+from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.executor = Executor.get_class(config)(config)
+        self.kv_sizing = self._initialize_kv_cache(config)
+        self.config = config.with_max_model_len(self.kv_sizing.max_model_len)
+        self.scheduler = Scheduler(self.config, self.kv_sizing.num_blocks)
+        self._rejected: list[EngineCoreOutput] = []
+        self._stats = _StepStats()
+
+    def _initialize_kv_cache(self, config: EngineConfig) -> KVCacheSizing:
+        specs = self.executor.get_kv_cache_specs()
+        available = self.executor.determine_available_memory()
+        model = config.model_config
+        sizing = compute_kv_cache_sizing(
+            specs,
+            available,
+            config.cache_config,
+            model.max_model_len,
+            model.max_position_embeddings,
+        )
+        self.executor.initialize_kv_cache(sizing.num_blocks, sizing.max_model_len)
+        return sizing
+
+    # ------------------------------------------------------------------------------ requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        error = self._validate(request)
+        if error is not None:
+            logger.warning("rejected request %s: %s", request.request_id, error)
+            self._rejected.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    error=error,
+                )
+            )
+            return
+        self.scheduler.add_request(Request(request, self.config.model_config.max_model_len))
+
+    def _validate(self, request: EngineCoreRequest) -> str | None:
+        model = self.config.model_config
+        if request.request_id in self.scheduler.requests:
+            return f"request_id {request.request_id!r} is already in use"
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            return "prompt_token_ids is empty"
+        if n > model.max_model_len:
+            return f"the prompt has {n} tokens, more than max_model_len={model.max_model_len}"
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < model.vocab_size]
+        if bad:
+            return f"prompt_token_ids holds ids outside [0, {model.vocab_size}): {bad[:8]}"
+        return None
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+
+    # ---------------------------------------------------------------------------------- step
+    def step(self) -> EngineCoreOutputs:
+        rejected, self._rejected = self._rejected, []
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(outputs=rejected, timestamp=time.monotonic())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.outputs.extend(rejected)
+        self._stats.record(self, scheduler_output.total_num_scheduled_tokens, outputs)
+        return outputs
+
+    def get_stats(self) -> dict[str, float | int]:
+        scheduler = self.scheduler
+        return {
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "kv_cache_usage": scheduler.kv_cache_manager.usage(),
+            "num_preemptions": scheduler.num_preemptions,
+            "num_blocks": self.kv_sizing.num_blocks,
+            "max_model_len": self.config.model_config.max_model_len,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+class _StepStats:
+    """Throughput counters for the periodic one-line log while the engine is busy."""
+
+    def __init__(self) -> None:
+        self.interval = envs.TOKENMILL_LOG_STATS_INTERVAL
+        self.last_log = time.monotonic()
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+
+    def record(self, core: EngineCore, num_scheduled: int, outputs: EngineCoreOutputs) -> None:
+        generated = sum(len(o.new_token_ids) for o in outputs.outputs)
+        self.generated_tokens += generated
+        self.prompt_tokens += num_scheduled - generated
+        now = time.monotonic()
+        elapsed = now - self.last_log
+        if elapsed < self.interval:
+            return
+        stats = core.get_stats()
+        logger.info(
+            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV usage %.1f%%",
+            self.prompt_tokens / elapsed,
+            self.generated_tokens / elapsed,
+            stats["num_running"],
+            stats["num_waiting"],
+            100 * stats["kv_cache_usage"],
+        )
+        self.last_log, self.prompt_tokens, self.generated_tokens = now, 0, 0

@@ -1,0 +1,1 @@
+"""Executors: how EngineCore reaches its workers (the only place core/ imports worker/)."""

@@ -1,0 +1,71 @@
+"""The engine core's view of one request: its tokens, progress and status.
+
+Built by EngineCore from an `EngineCoreRequest`; owned and mutated by the Scheduler (which
+appends sampled tokens and decides when it stops); read by the KV cache manager.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from tokenmill.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    def __init__(self, request: EngineCoreRequest, max_model_len: int) -> None:
+        self.request_id = request.request_id
+        self.sampling_params: SamplingParams = request.sampling_params
+        self.eos_token_ids = frozenset(request.eos_token_ids)
+        self.arrival_time = request.arrival_time
+        self.priority = request.priority
+        self.prompt_token_ids = request.prompt_token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.all_token_ids = list(request.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # Tokens whose K/V are in the cache (or scheduled to be written this step).
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        room = max_model_len - self.num_prompt_tokens
+        max_tokens = self.sampling_params.max_tokens
+        self.max_tokens = room if max_tokens is None else max_tokens
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,1 @@
+"""The V1 scheduler: one token budget per step shared by running and waiting requests."""

@@ -1,0 +1,217 @@
+"""The Scheduler: decides which requests run each step and with how many tokens.
+
+There are no prefill and decode phases: each request has `num_computed_tokens` and catches up
+to its token count under one per-step budget (`max_num_batched_tokens`), running requests
+first, then waiting ones. Long prompts are chunked across steps. When KV blocks run out the
+most recently admitted running request is preempted (freed, sent back to the front of the
+waiting queue, recomputed later). EngineCore calls `schedule()` then, with the workers' sampled
+tokens, `update_from_output()`, which applies stop conditions and builds `EngineCoreOutputs`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from tokenmill.core.kv_cache.manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.messages import EngineCoreOutput, EngineCoreOutputs
+from tokenmill.protocol.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        sched = config.scheduler_config
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.enable_chunked_prefill = sched.enable_chunked_prefill
+        self.long_prefill_token_threshold = sched.long_prefill_token_threshold
+        self.max_model_len = config.model_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache_config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ended or preempted since the last step; the workers drop these on the next one.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Ends requests from outside the step (aborts); unknown ids are ignored."""
+        finished = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ----------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            i += 1
+
+        # A step that had to preempt admits nobody: the pool is already short.
+        while not preempted and self.waiting and budget > 0:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._num_new_tokens(request, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    eos_token_ids=list(request.eos_token_ids),
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                    output_token_ids=list(request.output_token_ids),
+                )
+            )
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=list(self.finished_req_ids),
+        )
+        self.finished_req_ids = set()
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if self.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.finished_req_ids.add(request.request_id)
+
+    # ------------------------------------------------------------------------------ outputs
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            # Preempted or aborted while the step ran: its token is recomputed or moot.
+            if request is None or request.status != RequestStatus.RUNNING or not token_ids:
+                continue
+            new_tokens = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_tokens.append(token_id)
+                status = self._check_stop(request)
+                if status is not None:
+                    request.status = status
+                    stopped.append(request)
+                    break
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_tokens,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        if stopped:
+            stopped_ids = {r.request_id for r in stopped}
+            self.running = [r for r in self.running if r.request_id not in stopped_ids]
+            for request in stopped:
+                self._free(request, request.status)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        # The sampler masks stop tokens until min_tokens have been produced.
+        if request.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:  # type: ignore[operator]
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]

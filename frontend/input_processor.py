@@ -1,0 +1,72 @@
+"""InputProcessor: user prompts -> `EngineCoreRequest`s.
+
+Accepts a string or vLLM's token form `{"prompt_token_ids": [...]}` (optionally with
+"prompt"), tokenizes, checks what can be checked before the request leaves this process
+(length against max_model_len, token ids against the vocabulary), and stamps the model's EOS
+ids. Called by LLMEngine (and AsyncLLM) for every request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from tokenmill.protocol.config import ModelConfig
+from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams
+
+PromptType = Union[str, dict[str, Any]]
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Returns the request for the core and the prompt text (None for token prompts)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        config = self.model_config
+        if not token_ids:
+            raise ValueError(f"the prompt of request {request_id!r} is empty")
+        if len(token_ids) > config.max_model_len:
+            raise ValueError(
+                f"the prompt of request {request_id!r} has {len(token_ids)} tokens, more than "
+                f"max_model_len={config.max_model_len}"
+            )
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < config.vocab_size)]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids of request {request_id!r} holds ids outside "
+                f"[0, {config.vocab_size}): {bad[:8]}"
+            )
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=list(config.eos_token_ids),
+            arrival_time=time.time(),
+            priority=priority,
+        )
+        return request, text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "text prompts need a tokenizer; with skip_tokenizer_init=True pass "
+                    '{"prompt_token_ids": [...]}'
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        raise TypeError(
+            f'a prompt must be a string or {{"prompt_token_ids": [...]}}, got {type(prompt).__name__}'
+        )

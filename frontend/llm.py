@@ -1,0 +1,127 @@
+"""`LLM`: the offline entry point, with vLLM's constructor arguments and methods.
+
+`LLM(model, **engine_args)` builds the engine (the core runs in-process for now);
+`generate(prompts, sampling_params)` submits everything, steps the engine until every
+request is finished, and returns RequestOutputs in prompt order; `chat(messages, ...)`
+applies the model's chat template first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any, Union
+
+from tqdm.auto import tqdm
+
+from tokenmill.frontend.input_processor import PromptType
+from tokenmill.frontend.llm_engine import LLMEngine
+from tokenmill.frontend.outputs import RequestOutput
+from tokenmill.protocol.config import EngineArgs
+from tokenmill.protocol.messages import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        known = EngineArgs.field_names()
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(known)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                )
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        return self._run(prompts, params_list, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[ChatMessages, Sequence[ChatMessages]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; it was skipped (skip_tokenizer_init=True)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+            # The template already holds the special tokens; do not add BOS again.
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        priorities: list[int],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Validate every prompt before submitting any, so a bad one costs nothing else.
+        requests = []
+        for prompt, params, prio in zip(prompts, params_list, priorities):
+            req_id = str(next(self._request_counter))
+            requests.append(engine.input_processor.process(req_id, prompt, params, prio))
+        for request, text in requests:
+            engine.output_processor.add_request(request, text)
+            engine.client.add_request(request)
+
+        order = {request.request_id: i for i, (request, _) in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.llm_engine.get_stats()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()

@@ -1,0 +1,67 @@
+"""LLMEngine: the synchronous engine front that `LLM` drives.
+
+Holds the tokenizer, the InputProcessor (prompt -> EngineCoreRequest), the engine-core client
+and the OutputProcessor (EngineCoreOutputs -> RequestOutput). `step()` asks the core for one
+step's outputs and returns the RequestOutputs they update.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tokenmill.frontend.core_client import EngineCoreClient
+from tokenmill.frontend.input_processor import InputProcessor, PromptType
+from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.frontend.outputs import RequestOutput
+from tokenmill.protocol.config import EngineArgs, EngineConfig
+from tokenmill.protocol.messages import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.client = EngineCoreClient.make_client(config)
+        self.config = self.client.engine_config
+        model_config = self.config.model_config
+        self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        self.input_processor = InputProcessor(model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> None:
+        request, text = self.input_processor.process(request_id, prompt, params, priority)
+        self.output_processor.add_request(request, text)
+        self.client.add_request(request)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.output_processor.abort_requests(request_ids)
+        self.client.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.client.get_output()
+        results, stopped = self.output_processor.process_outputs(outputs.outputs)
+        if stopped:
+            self.client.abort_requests(stopped)
+        return results
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.client.call_utility("get_stats")
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

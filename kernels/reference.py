@@ -1,0 +1,55 @@
+"""Plain-torch reference ops for the paged KV cache: slow, per-request, obviously correct.
+
+Every faster implementation (the CPU attention backend's batched path, Triton kernels) is
+tested against these. KV cache layout, one layer: `(num_blocks, 2, block_size, kv_heads, d)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores token i's key/value ([T, kv_heads, d]) at slot `slot_mapping[i]`."""
+    block_size = kv_cache.shape[2]
+    for i, slot in enumerate(slot_mapping.tolist()):
+        block, offset = divmod(slot, block_size)
+        kv_cache[block, 0, offset] = key[i]
+        kv_cache[block, 1, offset] = value[i]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for a flattened batch whose K/V already sit in the paged cache.
+
+    query: [T, heads, d], the requests' new tokens back to back (query_lens of them each);
+    request r's queries are the last query_lens[r] of its seq_lens[r] positions.
+    Returns [T, heads, d].
+    """
+    num_heads, head_size = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    start = 0
+    for blocks, seq_len, q_len in zip(block_tables, seq_lens, query_lens):
+        positions = torch.arange(seq_len)
+        block_ids = torch.tensor(blocks, dtype=torch.long)[positions // block_size]
+        keys = kv_cache[block_ids, 0, positions % block_size].float()  # [S, kvh, d]
+        values = kv_cache[block_ids, 1, positions % block_size].float()
+        q = query[start : start + q_len].float()  # [Q, h, d]
+        for h in range(num_heads):
+            kv_head = h // group
+            scores = (q[:, h] @ keys[:, kv_head].T) * scale  # [Q, S]
+            q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+            scores = scores.masked_fill(positions[None, :] > q_pos, float("-inf"))
+            out[start : start + q_len, h] = (scores.softmax(-1) @ values[:, kv_head]).to(out.dtype)
+        start += q_len
+    return out.reshape(-1, num_heads, head_size)

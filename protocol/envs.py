@@ -1,0 +1,55 @@
+"""The one typed registry of tokenmill's environment variables (all prefixed `TOKENMILL_`).
+
+Read lazily through attribute access (`envs.TOKENMILL_CACHE`) so tests can set variables at
+run time. Nothing else in the project reads `os.environ` for a tokenmill setting.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _bool(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        value = os.environ.get(name)
+        if value is None or value == "":
+            return default
+        return value.strip().lower() in ("1", "true", "yes", "on")
+
+    return read
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    return lambda: float(os.environ.get(name) or default)
+
+
+def _cache_dir() -> Path:
+    value = os.environ.get("TOKENMILL_CACHE")
+    if value:
+        return Path(value).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "tokenmill"
+
+
+_REGISTRY: dict[str, Callable[[], Any]] = {
+    # Where converted models live (the default model is converted here once).
+    "TOKENMILL_CACHE": _cache_dir,
+    # 0 runs EngineCore in the caller's process (InprocClient).
+    "TOKENMILL_MULTIPROC": _bool("TOKENMILL_MULTIPROC", False),
+    # Fraction of available RAM given to the KV cache on the CPU when no explicit
+    # kv_cache_memory_bytes is set.
+    "TOKENMILL_CPU_KV_FRACTION": _float("TOKENMILL_CPU_KV_FRACTION", 0.25),
+    # Seconds between the engine's one-line stats summaries while busy.
+    "TOKENMILL_LOG_STATS_INTERVAL": _float("TOKENMILL_LOG_STATS_INTERVAL", 5.0),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REGISTRY:
+        return _REGISTRY[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,129 @@
+"""Messages between the frontend and EngineCore: sampling parameters, requests, outputs.
+
+All are msgspec Structs (`array_like`, `omit_defaults`, `gc=False`) so they encode compactly
+and never need pickle. The frontend builds `EngineCoreRequest`s; EngineCore answers with
+`EngineCoreOutputs` holding only the tokens produced since the last step.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Union
+
+import msgspec
+
+# Temperatures below this are treated as greedy (argmax), as in vLLM.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class SamplingParams(
+    msgspec.Struct, omit_defaults=True, kw_only=True, dict=True
+):  # type: ignore[call-arg]
+    """How to sample one request's completion, under vLLM's names and defaults."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        def fail(name: str, expected: str) -> None:
+            raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+
+        if self.n != 1:
+            fail("n", "1 (parallel sampling of several completions is not supported yet)")
+        if not self.temperature >= 0.0:
+            fail("temperature", "non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "in (0, 1]")
+        if self.top_k < 0:
+            fail("top_k", "0 or -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail("max_tokens", "at least 1")
+        if self.min_tokens < 0:
+            fail("min_tokens", "non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            fail("seed", "a non-negative 63-bit integer")
+        assert isinstance(self.stop, list)
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            fail("stop", "a non-empty string or a list of non-empty strings")
+        assert self.stop_token_ids is not None
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "a list of non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def clone(self) -> SamplingParams:
+        return msgspec.structs.replace(self)
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; sent as an int, shown to users as vLLM's strings."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # cancelled by the client
+    ERROR = 3  # rejected by the engine; see EngineCoreOutput.error
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
+):  # type: ignore[call-arg]
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+
+
+class EngineCoreOutput(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
+):  # type: ignore[call-arg]
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Union[int, str, None] = None
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
+):  # type: ignore[call-arg]
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0

@@ -1,0 +1,62 @@
+"""What EngineCore sends its workers each step, and what rank 0 sends back.
+
+`SchedulerOutput` is a diff: full data only for requests the workers have not seen, then
+new block ids and token counts for the rest; the model runner keeps its persistent batch in
+step with it. `ModelRunnerOutput` carries the sampled tokens. `KVCacheSpec` is what each
+worker reports about its attention layers so that the core can size the KV cache.
+These cross the core/worker boundary, so they live in protocol/ (worker/ may not import core/).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenmill.protocol.messages import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Tokens already produced: a preempted request is dropped by the workers and comes back
+    # as new, with its outputs so far.
+    output_token_ids: list[int] = []
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """Requests the workers already hold, as parallel lists."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that ended or were preempted since the last step: workers drop their state.
+    finished_req_ids: list[str] = []
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    req_ids: list[str]
+    # One list per request in req_ids: empty while a prompt is still being prefilled.
+    sampled_token_ids: list[list[int]]
+
+
+class KVCacheSpec(msgspec.Struct, frozen=True, array_like=True):  # type: ignore[call-arg]
+    """One full-attention layer's KV needs: `2 * block_size * num_kv_heads * head_size`."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes

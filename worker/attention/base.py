@@ -1,0 +1,45 @@
+"""The attention backend contract.
+
+Once per step the model runner describes the flattened batch in a `StepAttentionInputs`
+(decode requests first, one query token each, then the requests still prefilling); the
+backend turns it into its own metadata, which every attention layer then reads from the
+forward context. `forward` writes the step's K/V into the layer's paged cache, then attends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepAttentionInputs:
+    num_decodes: int  # the first num_decodes requests have exactly one query token
+    query_lens: np.ndarray  # [R] new tokens per request
+    seq_lens: np.ndarray  # [R] tokens in context after this step (computed + new)
+    block_table: np.ndarray  # [R, max_blocks] block ids, 0 (the null block) past the end
+    slot_mapping: np.ndarray  # [T] cache slot of each new token
+    block_size: int
+    device: torch.device
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def build_metadata(self, inputs: StepAttentionInputs) -> Any:
+        """Turns the step description into what `forward` reads; called once per step."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """query [T, heads, d], key/value [T, kv_heads, d] -> output [T, heads, d]."""

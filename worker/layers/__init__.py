@@ -1,0 +1,1 @@
+"""Model building blocks: tensor-parallel linears and embeddings, norms, rotary, attention."""

@@ -1,0 +1,132 @@
+"""Tensor-parallel linear layers whose parameters know how to load their own shard.
+
+Column-parallel layers split the output features across ranks, row-parallel ones the input
+features (followed by an all-reduce). `QKVParallelLinear` and `MergedColumnParallelLinear`
+fuse several checkpoint tensors (q/k/v, gate/up) into one matmul; their `weight_loader` takes
+a shard id and copies the checkpoint tensor into its slice. The model loader calls
+`param.weight_loader(param, tensor[, shard_id])` for each tensor as it streams the checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
+    return numerator // denominator
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp_dim = tp_dim  # the dimension of the weight split across ranks, if any
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def _shard(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+        dim = self.tp_dim
+        if dim is None or self.tp_size == 1 or (param.dim() == 1 and dim == 1):
+            return loaded
+        size = param.shape[dim]
+        return loaded.narrow(dim, self.tp_rank * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, self._shard(param, loaded))
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias, tp_dim=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        out_per_rank = divide(out_features, get_tp_size(), "output features")
+        super().__init__(in_features, out_per_rank, bias, tp_dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one weight, e.g. an MLP's gate and up projections."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        if shard_id is None:
+            raise ValueError("a merged linear layer loads one shard at a time")
+        tp = self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        target = param.data.narrow(0, offset, size)
+        default_weight_loader(target, loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k and v projections; KV heads are split across ranks (or replicated when
+    there are fewer KV heads than ranks)."""
+
+    def __init__(
+        self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        tp = get_tp_size()
+        self.head_size = head_size
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp, num_kv_heads, "tensor_parallel_size / kv heads")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = q_size + (kv_size if shard_id == "v" else 0)
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        target = param.data.narrow(0, offset, size)
+        default_weight_loader(target, loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        in_per_rank = divide(in_features, get_tp_size(), "input features")
+        super().__init__(in_per_rank, out_features, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the partial sums of all ranks are reduced.
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

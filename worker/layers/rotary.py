@@ -1,0 +1,78 @@
+"""Rotary position embedding (rotate-half / NeoX style, as HF Llama applies it).
+
+cos/sin tables for every position up to max_position are computed once, in fp32, exactly
+as HF computes them, so that results match HF bit for bit; each step indexes them by
+position. Supports rope_type "default", "linear" and "llama3".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_size: int, theta: float) -> torch.Tensor:
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
+    return 1.0 / (theta**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Transformers 5 keeps rope settings under `rope_parameters`; older configs use
+    `rope_theta` and `rope_scaling`."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    if not params:
+        params = dict(hf_config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_size = head_size
+        rope_type = params.get("rope_type", "default")
+        inv_freq = _inv_freq(head_size, float(params.get("rope_theta", 10000.0)))
+        if rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type != "default":
+            raise NotImplementedError(
+                f"rope_type={rope_type!r} is not supported (default, linear, llama3 are)"
+            )
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, d], k: [T, kv_heads, d]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,97 @@
+"""Builds the model for this rank and fills its weights.
+
+`load_format="auto"` streams safetensors tensor by tensor through each parameter's
+`weight_loader` (which slices the rank's shard), so tensor parallelism never holds the full
+model twice; fused q/k/v and gate/up parameters are filled shard by shard through the model's
+`packed_modules_mapping`. `load_format="dummy"` gives random weights of the right shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tokenmill.protocol.config import EngineConfig
+from tokenmill.worker.attention.base import AttentionBackend
+from tokenmill.worker.layers.linear import default_weight_loader
+from tokenmill.worker.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def get_model(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> nn.Module:
+    model_config = config.model_config
+    hf_config = json.loads(model_config.hf_config_path.read_text())
+    hf_config = hf_config.get("text_config", hf_config)
+    dtype = getattr(torch, model_config.dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = get_model_class(model_config.architecture)(hf_config, backend)
+    finally:
+        torch.set_default_dtype(previous)
+    if config.load_config.load_format == "dummy":
+        _init_dummy(model, model_config.seed)
+    else:
+        load_weights(model, _iter_safetensors(Path(model_config.model)))
+    return model.eval()
+
+
+def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder} (load_format='auto')")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")):
+            continue
+        for checkpoint_part, (fused_part, shard_id) in mapping.items():
+            if f".{checkpoint_part}." in name:
+                target = name.replace(f".{checkpoint_part}.", f".{fused_part}.")
+                param = _param(params, target, name)
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                loaded.add(target)
+                break
+        else:
+            param = _param(params, name, name)
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+    missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
+    if missing:
+        raise ValueError(f"the checkpoint lacks weights for: {sorted(missing)[:10]}")
+
+
+def _param(params: dict[str, nn.Parameter], name: str, checkpoint_name: str) -> nn.Parameter:
+    try:
+        return params[name]
+    except KeyError:
+        raise ValueError(f"checkpoint tensor {checkpoint_name!r} matches no model parameter") from None
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        values = torch.empty(param.shape, dtype=torch.float32)
+        if "norm" in name:
+            values.fill_(1.0)
+        else:
+            values.uniform_(-0.05, 0.05, generator=generator)
+        param.data.copy_(values)

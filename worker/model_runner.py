@@ -1,0 +1,119 @@
+"""The ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+Per step: update the persistent batch from the diff, lay the scheduled tokens out flat
+(decodes first, then prefill chunks), build input ids, positions, slot mapping and the
+attention metadata, run the model, compute logits only for requests whose prompt is now
+fully computed, and sample. Owns the model, the KV cache tensors and the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.attention.base import StepAttentionInputs
+from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
+from tokenmill.worker.forward_context import set_forward_context
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.model_loader import get_model
+from tokenmill.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = getattr(torch, config.model_config.dtype)
+        self.block_size = config.cache_config.block_size
+        self.attn_backend = TorchAttentionBackend()
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.input_batch: InputBatch | None = None
+        self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
+
+    def load_model(self) -> None:
+        self.model = get_model(self.config, self.device, self.attn_backend)
+
+    def get_kv_cache_specs(self) -> list[KVCacheSpec]:
+        assert self.model is not None
+        return [a.kv_cache_spec(self.block_size, self.dtype) for a in self.model.attention_layers()]
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        assert self.model is not None
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            cache = torch.empty(
+                (num_blocks, 2, self.block_size, attn.num_kv_heads, attn.head_size),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            cache[0].zero_()  # the null block: padded reads land here and must be finite
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+        self.input_batch = InputBatch(
+            self.config.scheduler_config.max_num_seqs,
+            max_model_len,
+            self.block_size,
+            self.config.model_config.vocab_size,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        assert batch is not None and self.model is not None, "initialize_kv_cache() first"
+        batch.apply(out)
+        if out.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+        # Decodes (one new token) first, then prefill chunks, each group in schedule order.
+        req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        query_lens = np.fromiter(
+            (out.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+        starts = batch.num_computed_tokens[rows]
+        seq_lens = starts + query_lens
+        cu_query = np.concatenate(([0], np.cumsum(query_lens)))
+        total = int(cu_query[-1])
+        token_rows = np.repeat(rows, query_lens)
+        positions = np.arange(total) - np.repeat(cu_query[:-1] - starts, query_lens)
+        input_ids = batch.token_ids[token_rows, positions]
+        bs = self.block_size
+        slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+
+        attn_inputs = StepAttentionInputs(
+            num_decodes=int(np.count_nonzero(query_lens == 1)),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_table=batch.block_table[rows],
+            slot_mapping=slot_mapping,
+            block_size=bs,
+            device=self.device,
+        )
+        metadata = self.attn_backend.build_metadata(attn_inputs)
+        with set_forward_context(metadata):
+            hidden = self.model(
+                torch.from_numpy(input_ids).to(self.device),
+                torch.from_numpy(positions).to(self.device),
+            )
+        batch.num_computed_tokens[rows] = seq_lens
+
+        # Only requests whose every token is now computed produce a token this step.
+        done = seq_lens >= batch.num_tokens[rows]
+        sample_rows = rows[done]
+        sampled_ids: list[list[int]] = [[] for _ in req_ids]
+        if len(sample_rows):
+            last_token = torch.from_numpy(cu_query[1:][done] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[last_token])
+            meta = batch.sampling_metadata(sample_rows, self.device)
+            tokens = self.sampler(logits, meta).cpu().numpy()
+            batch.append_tokens(sample_rows, tokens)
+            for i, token in zip(np.flatnonzero(done).tolist(), tokens.tolist()):
+                sampled_ids[i] = [token]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids)

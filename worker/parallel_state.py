@@ -1,0 +1,43 @@
+"""This worker's place in the tensor-parallel group, and the collectives the layers use.
+
+Set once by the Worker (`init_tensor_parallel`); read by the parallel layers while they are
+built and run. With one rank every collective is the identity and torch.distributed is never
+touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_TP_RANK = 0
+_TP_SIZE = 1
+
+
+def init_tensor_parallel(rank: int, world_size: int) -> None:
+    global _TP_RANK, _TP_SIZE
+    if world_size > 1 and not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialized before tensor parallelism")
+    _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def get_tp_rank() -> int:
+    return _TP_RANK
+
+
+def get_tp_size() -> int:
+    return _TP_SIZE
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _TP_SIZE > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    if _TP_SIZE == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
