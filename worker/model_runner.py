@@ -53,9 +53,13 @@ class ModelRunner:
                 dtype=self.dtype,
                 device=self.device,
             )
-            cache[0].zero_()  # the null block: padded reads land here and must be finite
             attn.kv_cache = cache
             self.kv_caches.append(cache)
+        # Attention reads whole blocks, including slots not yet written; each block is zeroed
+        # the first time a request gets it so those reads are finite. Block 0 is the null
+        # block that pads block tables.
+        self.block_zeroed = np.zeros(num_blocks, dtype=bool)
+        self._zero_blocks([0])
         self.input_batch = InputBatch(
             self.config.scheduler_config.max_num_seqs,
             max_model_len,
@@ -63,11 +67,25 @@ class ModelRunner:
             self.config.model_config.vocab_size,
         )
 
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        ids = ids[~self.block_zeroed[ids]]
+        if len(ids) == 0:
+            return
+        self.block_zeroed[ids] = True
+        index = torch.from_numpy(ids).to(self.device)
+        for cache in self.kv_caches:
+            cache.index_fill_(0, index, 0.0)
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.input_batch
         assert batch is not None and self.model is not None, "initialize_kv_cache() first"
         batch.apply(out)
+        self._zero_blocks(
+            [b for new in out.scheduled_new_reqs for b in new.block_ids]
+            + [b for ids in out.scheduled_cached_reqs.new_block_ids for b in ids]
+        )
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 

@@ -1,9 +1,12 @@
 """The pure-torch attention backend: the CPU path, and the reference for faster ones.
 
-K/V are written into the layer's cache through precomputed flat indices. Decodes are
-batched: each request's context is gathered into a padded [B, L] index grid (padding points
-at the zeroed null block and is masked) and attended with one SDPA call. Prefill chunks run
+New K/V are written into the layer's cache through flat slot indices. Decodes are batched in
+groups of similar context length: each group gathers its requests' blocks (whole blocks, one
+`index_select` for K and one for V, padded with the zeroed null block) and runs one SDPA call
+in which the query heads that share a KV head play the role of query rows. Prefill chunks run
 one request at a time; a chunk with no earlier context attends to its own K/V directly.
+The model runner guarantees that every block it hands us was zeroed before first use, so
+padded reads never meet uninitialised memory.
 """
 
 from __future__ import annotations
@@ -16,69 +19,74 @@ import torch.nn.functional as F
 
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 
+# Decodes per SDPA call: groups of requests with similar context length keep the padding
+# (up to the longest context in the group) small while the number of calls stays low.
+DECODE_GROUP_SIZE = 16
+
+
+@dataclass
+class DecodeGroup:
+    token_idx: torch.Tensor  # [g] rows of the flattened batch (decode i is token i)
+    block_ids: torch.Tensor  # [g * max_blocks] each request's blocks, null-padded
+    num_blocks: int  # max_blocks: blocks per request in this group
+    mask: torch.Tensor  # [g, 1, 1, max_blocks * block_size] True where a key is attended
+
 
 @dataclass
 class PrefillSpan:
     start: int  # first token in the flattened batch
     end: int
     seq_len: int  # context length after this chunk
-    gather_idx: torch.Tensor | None  # [seq_len] flat K indices; None: no earlier context
+    block_ids: torch.Tensor | None  # the request's blocks; None: no earlier context
 
 
 @dataclass
 class TorchAttentionMetadata:
     write_k_idx: torch.Tensor  # [T] rows of the flat cache view that take the new keys
     write_v_idx: torch.Tensor
-    num_decodes: int
-    decode_k_idx: torch.Tensor | None  # [B, L] flat K rows of each decode's context
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where a key is attended
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
-    block_size: int
-
-
-def _flat_k_rows(block_ids: np.ndarray, offsets: np.ndarray, block_size: int) -> np.ndarray:
-    # A layer's cache viewed as [num_blocks * 2 * block_size, kv_heads, d]: the keys of block
-    # b start at row 2*b*block_size, its values block_size rows later.
-    return block_ids * (2 * block_size) + offsets
 
 
 class TorchAttentionBackend(AttentionBackend):
     def build_metadata(self, inputs: StepAttentionInputs) -> TorchAttentionMetadata:
         bs, device = inputs.block_size, inputs.device
         slots = inputs.slot_mapping.astype(np.int64)
-        write_k = _flat_k_rows(slots // bs, slots % bs, bs)
+        # A layer's cache viewed as [num_blocks * 2 * block_size, kv_heads, d]: the keys of
+        # block b start at row 2*b*block_size, its values block_size rows later.
+        write_k = torch.from_numpy((slots // bs) * (2 * bs) + slots % bs).to(device)
+
         nd = inputs.num_decodes
-        decode_k_idx = decode_mask = None
-        if nd:
-            seq_lens = inputs.seq_lens[:nd]
-            positions = np.arange(int(seq_lens.max()))
-            table = inputs.block_table[:nd, positions // bs].astype(np.int64)
-            rows = _flat_k_rows(table, positions % bs, bs)
-            valid = positions[None, :] < seq_lens[:, None]
-            rows = np.where(valid, rows, 0)  # row 0: the null block, kept at zero
-            decode_k_idx = torch.from_numpy(rows).to(device)
-            decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
+        order = np.argsort(inputs.seq_lens[:nd], kind="stable")
+        groups = []
+        for first in range(0, nd, DECODE_GROUP_SIZE):
+            members = order[first : first + DECODE_GROUP_SIZE]
+            seq_lens = inputs.seq_lens[members]
+            max_blocks = -(-int(seq_lens.max()) // bs)
+            block_ids = inputs.block_table[members, :max_blocks].astype(np.int64)
+            valid = np.arange(max_blocks * bs)[None, :] < seq_lens[:, None]
+            groups.append(
+                DecodeGroup(
+                    token_idx=torch.from_numpy(members.astype(np.int64)).to(device),
+                    block_ids=torch.from_numpy(block_ids.reshape(-1)).to(device),
+                    num_blocks=max_blocks,
+                    mask=torch.from_numpy(valid).to(device)[:, None, None, :],
+                )
+            )
+
         prefills = []
         start = nd
         for r in range(nd, len(inputs.query_lens)):
             q_len, seq_len = int(inputs.query_lens[r]), int(inputs.seq_lens[r])
-            gather = None
+            block_ids = None
             if seq_len > q_len:
-                positions = np.arange(seq_len)
-                blocks = inputs.block_table[r, positions // bs].astype(np.int64)
-                gather = torch.from_numpy(_flat_k_rows(blocks, positions % bs, bs)).to(device)
-            prefills.append(PrefillSpan(start, start + q_len, seq_len, gather))
+                num_blocks = -(-seq_len // bs)
+                block_ids = torch.from_numpy(
+                    inputs.block_table[r, :num_blocks].astype(np.int64)
+                ).to(device)
+            prefills.append(PrefillSpan(start, start + q_len, seq_len, block_ids))
             start += q_len
-        write_k_t = torch.from_numpy(write_k).to(device)
-        return TorchAttentionMetadata(
-            write_k_idx=write_k_t,
-            write_v_idx=write_k_t + bs,
-            num_decodes=nd,
-            decode_k_idx=decode_k_idx,
-            decode_mask=decode_mask,
-            prefills=prefills,
-            block_size=bs,
-        )
+        return TorchAttentionMetadata(write_k, write_k + bs, groups, prefills)
 
     def forward(
         self,
@@ -89,34 +97,41 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        flat = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])
+        num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+        flat = kv_cache.view(-1, num_kv_heads, head_size)
         flat.index_copy_(0, metadata.write_k_idx, key)
         flat.index_copy_(0, metadata.write_v_idx, value)
+        key_blocks, value_blocks = kv_cache[:, 0], kv_cache[:, 1]  # [blocks, bs, kvh, d]
         out = torch.empty_like(query)
-        nd, bs = metadata.num_decodes, metadata.block_size
-        if nd:
-            assert metadata.decode_k_idx is not None
-            q = query[:nd].unsqueeze(2)  # [B, h, 1, d]
-            k = flat[metadata.decode_k_idx].transpose(1, 2)  # [B, kvh, L, d]
-            v = flat[metadata.decode_k_idx + bs].transpose(1, 2)
+        group_size = query.shape[1] // num_kv_heads
+        for group in metadata.decode_groups:
+            g = group.token_idx.shape[0]
+            # [g, kvh, L, d] views over freshly gathered [g * blocks, bs, kvh, d] copies.
+            k = key_blocks.index_select(0, group.block_ids).view(g, -1, num_kv_heads, head_size)
+            v = value_blocks.index_select(0, group.block_ids).view(g, -1, num_kv_heads, head_size)
+            # One query token per request: the heads sharing a KV head act as query rows.
+            q = query.index_select(0, group.token_idx).view(g, num_kv_heads, group_size, head_size)
             o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
+                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale
             )
-            out[:nd] = o.squeeze(2)
+            out.index_copy_(0, group.token_idx, o.reshape(g, -1, head_size))
         for span in metadata.prefills:
-            q = query[span.start : span.end].transpose(0, 1)  # [h, n, d]
-            if span.gather_idx is None:
-                k = key[span.start : span.end].transpose(0, 1)
-                v = value[span.start : span.end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            n = span.end - span.start
+            q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
+            if span.block_ids is None:
+                k, v = key[span.start : span.end], value[span.start : span.end]
+                mask = None
             else:
-                k = flat[span.gather_idx].transpose(0, 1)  # [kvh, S, d]
-                v = flat[span.gather_idx + bs].transpose(0, 1)
-                n = span.end - span.start
-                q_pos = torch.arange(span.seq_len - n, span.seq_len, device=q.device)
-                mask = torch.arange(span.seq_len, device=q.device)[None, :] <= q_pos[:, None]
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-                )
-            out[span.start : span.end] = o.transpose(0, 1)
+                s = span.seq_len
+                k = key_blocks.index_select(0, span.block_ids).flatten(0, 1)[:s]
+                v = value_blocks.index_select(0, span.block_ids).flatten(0, 1)[:s]
+                q_pos = torch.arange(s - n, s, device=q.device)
+                mask = torch.arange(s, device=q.device)[None, :] <= q_pos[:, None]
+            # Repeating the KV heads (instead of enable_gqa) keeps SDPA on its fused path.
+            k = k.transpose(0, 1).repeat_interleave(group_size, dim=0).unsqueeze(0)
+            v = v.transpose(0, 1).repeat_interleave(group_size, dim=0).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+            )
+            out[span.start : span.end] = o[0].transpose(0, 1)
         return out

@@ -39,8 +39,6 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_size, num_heads, num_kv_heads, qkv_bias)
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
         o_bias = bool(config.get("attention_bias", False))  # Qwen2's qkv bias leaves o_proj bare
         self.o_proj = RowParallelLinear(num_heads * self.head_size, hidden, bias=o_bias)
         self.rotary_emb = RotaryEmbedding(
@@ -54,14 +52,14 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_size)
-        k = k.view(-1, self.num_kv_heads, self.head_size)
-        v = v.view(-1, self.num_kv_heads, self.head_size)
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_size)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # Queries and keys rotate together: one set of elementwise ops instead of two.
+        qk = self.rotary_emb(positions, qk)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -1,0 +1,165 @@
+"""Offline throughput benchmark: tokenmill (and optionally HF transformers) on one workload.
+
+Workloads (random prompt token ids, every request ignores EOS and stops at its own length):
+  W1-cpu  64 requests, prompts uniform in [16, 256], outputs uniform in [16, 128], seed 0
+  W1      256 requests, prompts and outputs uniform in [100, 1024], seed 0
+With `--compare hf`, HF `generate()` runs the same workload in the same process as one
+left-padded batch with min_new_tokens = max_new_tokens = the longest output, and only each
+request's own output tokens are counted.
+
+    python scripts/bench_throughput.py --compare hf
+    python scripts/bench_throughput.py --workload W1 --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass
+
+WORKLOADS = {
+    "W1-cpu": dict(num_requests=64, prompt=(16, 256), output=(16, 128)),
+    "W1": dict(num_requests=256, prompt=(100, 1024), output=(100, 1024)),
+}
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
+    spec = WORKLOADS[name]
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(spec["num_requests"]):
+        prompt_len = rng.randint(*spec["prompt"])
+        prompts.append([rng.randrange(vocab_size) for _ in range(prompt_len)])
+        output_lens.append(rng.randint(*spec["output"]))
+    return Workload(prompts, output_lens)
+
+
+def run_tokenmill(args: argparse.Namespace, workload: Workload) -> tuple[float, int]:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+    )
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": workload.prompts[0][:32]}], warm, use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    expected = sum(workload.output_lens)
+    if generated != expected:
+        raise RuntimeError(f"tokenmill generated {generated} tokens, expected {expected}")
+    llm.shutdown()
+    return elapsed, generated
+
+
+def run_hf(args: argparse.Namespace, model_path: str, workload: Workload) -> tuple[float, int]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype)
+    if args.load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model.eval()
+    longest = max(len(p) for p in workload.prompts)
+    pad = model.config.pad_token_id or 0
+    input_ids = torch.full((len(workload.prompts), longest), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(workload.prompts):  # left padding
+        input_ids[i, longest - len(p) :] = torch.tensor(p)
+        attention_mask[i, longest - len(p) :] = 1
+    max_new = max(workload.output_lens)
+    common = dict(do_sample=False, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(input_ids[:1, -32:], max_new_tokens=4, min_new_tokens=4, **common)
+        start = time.perf_counter()
+        model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            **common,
+        )
+        elapsed = time.perf_counter() - start
+    return elapsed, sum(workload.output_lens)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1-cpu")
+    parser.add_argument("--compare", choices=["hf"], default=None)
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    args = parser.parse_args()
+
+    import torch
+    import transformers
+
+    from tokenmill.protocol.config import _resolve_device
+    from tokenmill.protocol.default_model import resolve_model
+
+    model_path = resolve_model(args.model)
+    import json
+
+    vocab = json.load(open(os.path.join(model_path, "config.json")))["vocab_size"]
+    workload = make_workload(args.workload, vocab)
+    device = _resolve_device("auto")
+    print(f"workload {args.workload}: {len(workload.prompts)} requests, "
+          f"{sum(map(len, workload.prompts))} prompt tokens, {sum(workload.output_lens)} output tokens")
+    print(f"model {model_path} (load_format={args.load_format}, dtype={args.dtype})")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"device {device}: {torch.cuda.get_device_name() if device == 'cuda' else cpu_name()}, "
+          f"{torch.get_num_threads()} threads")
+
+    rows = []
+    elapsed, tokens = run_tokenmill(args, workload)
+    rows.append(("tokenmill", elapsed, tokens))
+    if args.compare == "hf":
+        elapsed, tokens = run_hf(args, model_path, workload)
+        rows.append(("hf transformers", elapsed, tokens))
+
+    base = rows[-1][2] / rows[-1][1] if args.compare else None
+    print()
+    print(f"| {'engine':<16} | {'time (s)':>9} | {'output tokens':>13} | {'output tok/s':>12} | {'vs HF':>6} |")
+    print(f"|{'-' * 18}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|")
+    for name, elapsed, tokens in rows:
+        rate = tokens / elapsed
+        ratio = f"{rate / base:.2f}x" if base else "-"
+        print(f"| {name:<16} | {elapsed:>9.2f} | {tokens:>13} | {rate:>12.1f} | {ratio:>6} |")
+
+
+if __name__ == "__main__":
+    main()
