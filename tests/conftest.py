@@ -1,0 +1,98 @@
+"""Shared fixtures: the default model's folder, and small random-weight HF models made here.
+
+Random models are written with transformers' own classes (save_pretrained), so they double as
+the independent reference that tokenmill's outputs are compared against.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY_CONFIGS = {
+    # Llama with grouped-query attention (4 query heads share 2 KV heads).
+    "llama-gqa": dict(
+        arch="LlamaForCausalLM",
+        kwargs=dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    # Llama with tied embeddings and multi-head attention, like SmolLM2's shape in miniature.
+    "llama-tied": dict(
+        arch="LlamaForCausalLM",
+        kwargs=dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    ),
+    "qwen2": dict(
+        arch="Qwen2ForCausalLM",
+        kwargs=dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    # Qwen3: explicit head_dim different from hidden/heads, per-head q/k norms.
+    "qwen3": dict(
+        arch="Qwen3ForCausalLM",
+        kwargs=dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False),
+    ),
+    "mistral": dict(
+        arch="MistralForCausalLM",
+        kwargs=dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None),
+    ),
+}
+
+
+def make_tiny_model(folder: Path, name: str, seed: int = 0) -> Path:
+    """Writes a small random-weight HF checkpoint (fp32 safetensors) and returns its folder."""
+    import transformers
+
+    spec = TINY_CONFIGS[name]
+    arch = spec["arch"]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_cls(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        # Larger than the default 0.02 so that logits are well separated (few near-ties).
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **spec["kwargs"],
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).float().eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = make_tiny_model(tmp_path_factory.mktemp(name), name)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from tokenmill.protocol.default_model import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path: str):
+    """One shared in-process engine on the real SmolLM2 weights (fp32)."""
+    from tokenmill import LLM
+
+    llm = LLM(smollm2_path, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+    yield llm
+    llm.shutdown()

@@ -1,0 +1,100 @@
+"""The torch attention backend against the per-request reference in kernels/reference.py,
+and the reference against dense causal attention over unpaged tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels.reference import paged_attention, write_kv_cache
+from tokenmill.worker.attention.base import StepAttentionInputs
+from tokenmill.worker.attention.torch_backend import DECODE_GROUP_SIZE, TorchAttentionBackend
+
+
+def make_batch(query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size, seed=0):
+    """Random block tables (disjoint blocks, never block 0) and K/V for earlier positions
+    already in the cache. Returns everything both implementations need."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append([perm.pop() for _ in range(n)])
+    cache = torch.zeros(num_blocks, 2, block_size, kv_heads, head_size)
+    # Earlier context lives in the cache already.
+    for table, s, q in zip(tables, seq_lens, query_lens):
+        past = s - q
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(past)])
+        if past:
+            write_kv_cache(cache, torch.randn(past, kv_heads, head_size, generator=g),
+                           torch.randn(past, kv_heads, head_size, generator=g), slots)
+    slot_mapping = np.array(
+        [table[p // block_size] * block_size + p % block_size
+         for table, s, q in zip(tables, seq_lens, query_lens) for p in range(s - q, s)]
+    )
+    block_table = np.zeros((len(seq_lens), max_blocks), dtype=np.int64)
+    for r, table in enumerate(tables):
+        block_table[r, : len(table)] = table
+    return tables, cache, slot_mapping, block_table, g
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_torch_backend_matches_reference(heads: int, kv_heads: int) -> None:
+    block_size, head_size, num_blocks = 4, 16, 200
+    # Decodes first (more than one group, with ragged contexts), then prefill chunks with and
+    # without earlier context.
+    num_decodes = DECODE_GROUP_SIZE + 3
+    rng = np.random.default_rng(0)
+    query_lens = [1] * num_decodes + [7, 5, 1 + 2]
+    seq_lens = list(rng.integers(1, 40, num_decodes)) + [7, 23, 12]
+    tables, cache, slot_mapping, block_table, g = make_batch(
+        query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size
+    )
+    total = sum(query_lens)
+    q = torch.randn(total, heads, head_size, generator=g)
+    k = torch.randn(total, kv_heads, head_size, generator=g)
+    v = torch.randn(total, kv_heads, head_size, generator=g)
+    scale = head_size**-0.5
+
+    ref_cache = cache.clone()
+    write_kv_cache(ref_cache, k, v, torch.from_numpy(slot_mapping))
+    expected = paged_attention(q, ref_cache, tables, seq_lens, query_lens, scale)
+
+    backend = TorchAttentionBackend()
+    meta = backend.build_metadata(
+        StepAttentionInputs(
+            num_decodes=num_decodes,
+            query_lens=np.array(query_lens),
+            seq_lens=np.array(seq_lens),
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            block_size=block_size,
+            device=torch.device("cpu"),
+        )
+    )
+    out = backend.forward(q, k, v, cache, meta, scale)
+    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_matches_dense_causal_attention() -> None:
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_size, block_size, n = 4, 2, 8, 4, 11
+    q = torch.randn(n, heads, head_size, generator=g)
+    k = torch.randn(n, kv_heads, head_size, generator=g)
+    v = torch.randn(n, kv_heads, head_size, generator=g)
+    cache = torch.zeros(8, 2, block_size, kv_heads, head_size)
+    table = [5, 2, 7]  # positions 0..10 over three non-consecutive blocks
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+    write_kv_cache(cache, k, v, slots)
+    out = paged_attention(q, cache, [table], [n], [n], head_size**-0.5)
+    dense = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(2, dim=1).transpose(0, 1),
+        v.repeat_interleave(2, dim=1).transpose(0, 1),
+        is_causal=True,
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,83 @@
+"""Frontend pieces: incremental detokenization against a full decode, engine-argument
+validation, and resolution of the default model's names."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from tokenmill import LLM
+from tokenmill.frontend.detokenizer import IncrementalDetokenizer
+from tokenmill.protocol.config import EngineArgs
+from tokenmill.protocol.default_model import resolve_model
+
+TEXTS = [
+    "Hello world! Ünïcödé ☃ and emoji 🦙🚀 in one line.",
+    "  leading spaces,\ttabs\nand newlines\n\n",
+    "日本語のテキストと中文混合",
+    "def f(x):\n    return x ** 2  # squares",
+]
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_incremental_detokenizer_equals_full_decode(smollm2_path: str, skip_special: bool) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    rng = random.Random(0)
+    prompt = tokenizer.encode("Say something:")
+    for text in TEXTS:
+        ids = tokenizer.encode(text) + [2] + tokenizer.encode(" after")
+        detok = IncrementalDetokenizer(tokenizer, prompt, skip_special)
+        pieces = []
+        i = 0
+        while i < len(ids):  # feed in uneven chunks, as steps would
+            n = rng.randint(1, 3)
+            pieces.append(detok.update(ids[i : i + n]))
+            i += n
+        full = tokenizer.decode(ids, skip_special_tokens=skip_special)
+        assert "".join(pieces) == detok.output_text == full
+
+
+def test_default_model_aliases_resolve_to_one_folder(smollm2_path: str) -> None:
+    for name in (None, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert resolve_model(name) == smollm2_path
+
+
+def test_unknown_model_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ValueError, match="never downloads"):
+        resolve_model("meta-llama/Llama-3-8B")
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_size=0), "block_size must be a positive integer, got 0"),
+        (dict(max_num_seqs=0), "max_num_seqs must be at least 1, got 0"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in"),
+        (dict(dtype="int8"), "dtype must be"),
+        (dict(device="tpu"), "device must be"),
+        (dict(load_format="pt"), "load_format must be"),
+        (dict(max_model_len=10**6), "max_model_len must be <="),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "max_num_batched_tokens"),
+    ],
+)
+def test_engine_args_name_the_bad_field(smollm2_path: str, kwargs, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        EngineArgs(model=smollm2_path, **kwargs).create_engine_config()
+
+
+def test_llm_rejects_unknown_arguments() -> None:
+    with pytest.raises(TypeError, match="no_such_arg"):
+        LLM(no_such_arg=1)
+
+
+def test_engine_config_defaults(smollm2_path: str) -> None:
+    config = EngineArgs(model=smollm2_path, device="cpu").create_engine_config()
+    assert config.model_config.dtype == "float32"  # CPU default
+    assert config.model_config.max_model_len == 8192
+    assert config.model_config.eos_token_ids == (2,)
+    assert config.model_config.num_kv_heads == 3 and config.model_config.head_size == 64
+    assert config.scheduler_config.enable_chunked_prefill

@@ -1,0 +1,71 @@
+"""Block pool and free queue invariants, and KV cache sizing arithmetic (worked example)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.core.kv_cache.block_pool import BlockPool
+from tokenmill.core.kv_cache.sizing import compute_kv_cache_sizing
+from tokenmill.protocol.config import CacheConfig
+from tokenmill.protocol.scheduler_output import KVCacheSpec
+
+
+def test_free_queue_is_lru_and_removes_from_the_middle() -> None:
+    pool = BlockPool(6)  # block 0 is the null block
+    assert pool.num_free_blocks == 5
+    a = pool.get_new_blocks(3)
+    assert [b.block_id for b in a] == [1, 2, 3]
+    pool.free_blocks(reversed(a))  # freed tail first: 3, 2, 1 join the queue's end
+    assert [b.block_id for b in pool.free_queue] == [4, 5, 3, 2, 1]
+    pool.touch([pool.blocks[2]])  # a hit on a free block pulls it out of the middle
+    assert [b.block_id for b in pool.free_queue] == [4, 5, 3, 1]
+    assert pool.blocks[2].ref_cnt == 1
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [4, 5]
+    with pytest.raises(ValueError, match="only 2 are free"):
+        pool.get_new_blocks(3)
+
+
+def test_null_block_is_never_handed_out() -> None:
+    pool = BlockPool(4)
+    ids = [b.block_id for b in pool.get_new_blocks(3)]
+    assert 0 not in ids and pool.num_free_blocks == 0 and pool.usage() == 1.0
+
+
+def test_double_free_is_caught() -> None:
+    pool = BlockPool(3)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    with pytest.raises(AssertionError):
+        pool.free_blocks([block])
+
+
+def _specs(layers: int, kv_heads: int, head_size: int, dtype_bytes: int, block_size: int):
+    return [KVCacheSpec(block_size, kv_heads, head_size, dtype_bytes) for _ in range(layers)]
+
+
+def test_worked_sizing_example() -> None:
+    # 8 layers, 8 KV heads, head size 128, fp16, block size 16, 4 GiB available.
+    specs = _specs(8, 8, 128, 2, 16)
+    assert specs[0].page_size_bytes == 2 * 16 * 8 * 128 * 2  # 64 KiB per layer
+    sizing = compute_kv_cache_sizing(specs, 4 << 30, CacheConfig(block_size=16), 4096, 8192)
+    assert sizing.bytes_per_block == 512 * 1024
+    assert sizing.num_blocks == 8192
+    assert sizing.capacity_tokens == 131072
+    assert sizing.max_concurrency == 32
+
+
+def test_override_wins_and_auto_fit() -> None:
+    specs = _specs(2, 2, 8, 4, 16)
+    cache = CacheConfig(block_size=16, num_gpu_blocks_override=11)
+    sizing = compute_kv_cache_sizing(specs, 10**12, cache, -1, 100_000)
+    # 10 usable blocks (block 0 is the null block) of 16 tokens.
+    assert sizing.num_blocks == 11 and sizing.max_model_len == 160
+    capped = compute_kv_cache_sizing(specs, 10**12, cache, -1, 100)
+    assert capped.max_model_len == 100
+
+
+def test_too_little_memory_names_bytes_needed_and_available() -> None:
+    specs = _specs(2, 2, 8, 4, 16)  # 4 KiB per block over both layers
+    # 512 tokens = 32 blocks, plus the null block: 33 * 4096 bytes.
+    with pytest.raises(ValueError, match=r"needs 135168 bytes .* only 10000 bytes"):
+        compute_kv_cache_sizing(specs, 10_000, CacheConfig(block_size=16), 512, 1024)

@@ -1,0 +1,128 @@
+"""SamplingParams validation, the sampler's filters against brute-force references, and
+seeded sampling that does not depend on the rest of the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("seed", -3),
+        ("n", 2),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+    ],
+)
+def test_invalid_sampling_params_name_field_and_value(field: str, value) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be .*got {value!r}".replace("[", r"\[")):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_rejected() -> None:
+    with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+
+
+def test_sampling_params_defaults_match_vllm() -> None:
+    params = SamplingParams(stop="x", top_k=-1)
+    assert params.stop == ["x"] and params.top_k == 0 and params.max_tokens == 16
+    assert params.temperature == 1.0 and not params.greedy
+    assert SamplingParams(temperature=0).greedy
+
+
+def brute_force_allowed(logits: torch.Tensor, k: int, p: float) -> set[int]:
+    """Tokens that survive top-k then top-p, by enumeration over the sorted vocabulary."""
+    order = sorted(range(len(logits)), key=lambda i: -float(logits[i]))
+    if k > 0:
+        order = order[:k]
+    probs = torch.softmax(logits[order], dim=0).tolist()
+    allowed, mass = set(), 0.0
+    for token, prob in zip(order, probs):
+        if mass >= p:
+            break
+        allowed.add(token)
+        mass += prob
+    return allowed
+
+
+def test_top_k_top_p_match_brute_force() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    ks = [0, 1, 5, 50, 3, 0]
+    ps = [1.0, 1.0, 0.9, 0.5, 0.3, 0.05]
+    masked = apply_top_k_top_p(logits.clone(), torch.tensor(ks), torch.tensor(ps))
+    for row in range(6):
+        kept = set(torch.nonzero(masked[row] > float("-inf")).flatten().tolist())
+        assert kept == brute_force_allowed(logits[row], ks[row], ps[row]), row
+        assert torch.equal(masked[row][list(kept)], logits[row][list(kept)])
+
+
+def _meta(rows: int, **kwargs) -> SamplingMetadata:
+    defaults = dict(
+        temperature=torch.ones(rows),
+        all_greedy=False,
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        generators={},
+        banned_token_ids={},
+    )
+    defaults.update(kwargs)
+    return SamplingMetadata(**defaults)
+
+
+def test_sampler_greedy_min_p_and_banned_tokens() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.9, -1.0], [3.0, 0.0, 0.0, 0.0], [1.0, 1.0, 9.0, 1.0]])
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    meta = _meta(3, temperature=torch.tensor([0.0, 0.0, 0.0]), all_greedy=True)
+    assert sampler(logits, meta).tolist() == [1, 0, 2]
+    banned = _meta(3, temperature=torch.zeros(3), all_greedy=True, banned_token_ids={2: [2]})
+    assert sampler(logits, banned).tolist()[2] != 2
+    # min_p=0.5 keeps only tokens at least half as likely as the best: row 1 keeps token 0.
+    meta = _meta(3, min_p=torch.tensor([0.0, 0.5, 0.5]))
+    for _ in range(20):
+        tokens = sampler(logits, meta).tolist()
+        assert tokens[1] == 0 and tokens[2] == 2
+
+
+def test_sampler_follows_the_distribution() -> None:
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log().expand(4000, 4).contiguous()
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    tokens = sampler(logits, _meta(4000))
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model) -> None:
+    llm = LLM(str(tiny_model("llama-gqa")), skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)
+    try:
+        target = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+        seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24)
+        alone = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
+        others = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (3, 40, 120)]
+        crowd = [SamplingParams(temperature=1.0, max_tokens=30)] * 2 + [
+            SamplingParams(temperature=0.7, seed=99, max_tokens=10)
+        ]
+        mixed = llm.generate(others + [target], crowd + [seeded], use_tqdm=False)
+        assert mixed[-1].outputs[0].token_ids == alone
+        again = llm.generate([target, target], [seeded, seeded], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [alone, alone]
+        # A different seed gives a different completion (24 tokens from a 512-token vocab).
+        other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=24)
+        assert llm.generate(target, other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+    finally:
+        llm.shutdown()

@@ -1,0 +1,174 @@
+"""The scheduler with a fake model: token budget, chunked prefill, preemption, stop rules."""
+
+from __future__ import annotations
+
+import itertools
+
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.protocol.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from tokenmill.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
+from tokenmill.protocol.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+EOS = 2
+
+
+def make_scheduler(num_blocks=100, block_size=4, budget=16, max_num_seqs=8, chunked=True, max_len=256):
+    model = ModelConfig(
+        model="fake", tokenizer="fake", dtype="float32", seed=0, max_model_len=max_len,
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=8, num_hidden_layers=1,
+        num_attention_heads=1, num_kv_heads=1, head_size=8, max_position_embeddings=max_len,
+        eos_token_ids=(EOS,),
+    )
+    config = EngineConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=block_size),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        ),
+        parallel_config=ParallelConfig(),
+        device_config=DeviceConfig(),
+        load_config=LoadConfig(),
+    )
+    return Scheduler(config, num_blocks)
+
+
+_ids = itertools.count()
+
+
+def add(scheduler: Scheduler, prompt_len: int, **params) -> Request:
+    params.setdefault("max_tokens", 100)
+    request = Request(
+        EngineCoreRequest(
+            request_id=f"r{next(_ids)}",
+            prompt_token_ids=list(range(10, 10 + prompt_len)),
+            sampling_params=SamplingParams(temperature=0.0, **params),
+            eos_token_ids=[EOS],
+            arrival_time=0.0,
+        ),
+        scheduler.max_model_len,
+    )
+    scheduler.add_request(request)
+    return request
+
+
+def fake_run(scheduler: Scheduler, out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """Samples `token` for every request whose tokens are all computed after this step."""
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        sampled.append([token] if request.num_computed_tokens >= request.num_tokens else [])
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def step(scheduler: Scheduler, token: int = 7):
+    out = scheduler.schedule()
+    return out, scheduler.update_from_output(out, fake_run(scheduler, out, token))
+
+
+def test_budget_is_shared_and_long_prompts_are_chunked() -> None:
+    s = make_scheduler(budget=16)
+    a, b, c = add(s, 10), add(s, 10), add(s, 10)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 10, b.request_id: 6}
+    assert [r.req_id for r in out.scheduled_new_reqs] == [a.request_id, b.request_id]
+    assert a.output_token_ids == [7] and b.output_token_ids == []
+    out, _ = step(s)
+    # Running requests first (a decodes, b finishes its prompt), then c fits in the rest.
+    assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 4, c.request_id: 10}
+    assert out.scheduled_cached_reqs.req_ids == [a.request_id, b.request_id]
+    assert out.total_num_scheduled_tokens == 15
+    d = add(s, 20)
+    out, _ = step(s)
+    # Three decodes take 3 tokens; the new 20-token prompt is cut to the 13 that remain.
+    assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 1, c.request_id: 1, d.request_id: 13}
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:
+    s = make_scheduler(budget=16, chunked=False)
+    a, b = add(s, 10), add(s, 10)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 10}
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 10}
+
+
+def test_preemption_frees_the_last_admitted_and_resumes_it() -> None:
+    # 5 usable blocks of 4 tokens; two 8-token prompts fill 4 of them.
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = add(s, 8), add(s, 8)
+    step(s)  # both prefilled; 9 tokens each now
+    out, _ = step(s)  # both need a 3rd block: only one is free, so b (admitted last) goes
+    assert out.num_scheduled_tokens == {a.request_id: 1}
+    assert s.num_preemptions == 1 and b.status == RequestStatus.PREEMPTED
+    assert s.waiting[0] is b and b.num_computed_tokens == 0
+    assert s.kv_cache_manager.get_block_ids(b.request_id) == []
+    # a finishes; b comes back as a new request carrying the output it already had.
+    s.finish_requests([a.request_id], RequestStatus.FINISHED_ABORTED)
+    out, _ = step(s)
+    (resumed,) = out.scheduled_new_reqs
+    assert resumed.req_id == b.request_id and resumed.output_token_ids == [7]
+    assert out.num_scheduled_tokens == {b.request_id: 9}
+    assert b.request_id in out.finished_req_ids or a.request_id in out.finished_req_ids
+
+
+def test_stop_rules_and_finish_reasons() -> None:
+    s = make_scheduler()
+    eos = add(s, 3)
+    ignore = add(s, 3, ignore_eos=True, max_tokens=2)
+    stop_id = add(s, 3, stop_token_ids=[EOS])
+    held = add(s, 3, min_tokens=2)
+    _, outputs = step(s, token=EOS)
+    by_id = {o.request_id: o for o in outputs.outputs}
+    assert by_id[eos.request_id].finish_reason == FinishReason.STOP
+    assert by_id[eos.request_id].stop_reason is None
+    assert by_id[ignore.request_id].finish_reason is None
+    # The EOS check comes first, so a stop id that is also EOS reports as EOS.
+    assert by_id[stop_id.request_id].finish_reason == FinishReason.STOP
+    assert by_id[held.request_id].finish_reason is None  # min_tokens not reached
+    _, outputs = step(s, token=EOS)
+    by_id = {o.request_id: o for o in outputs.outputs}
+    assert by_id[ignore.request_id].finish_reason == FinishReason.LENGTH
+    assert by_id[held.request_id].finish_reason is None  # 2 tokens: still not more than 2
+    _, outputs = step(s, token=EOS)
+    assert outputs.outputs[0].finish_reason == FinishReason.STOP
+    assert not s.has_unfinished_requests()
+    assert s.kv_cache_manager.num_free_blocks == 99
+
+
+def test_stop_token_id_sets_stop_reason() -> None:
+    s = make_scheduler()
+    r = add(s, 3, stop_token_ids=[42])
+    step(s, token=5)
+    _, outputs = step(s, token=42)
+    assert outputs.outputs[0].finish_reason == FinishReason.STOP
+    assert outputs.outputs[0].stop_reason == 42 and r.output_token_ids == [5, 42]
+
+
+def test_max_model_len_caps_generation() -> None:
+    s = make_scheduler(max_len=6)
+    add(s, 4, max_tokens=None)
+    _, o1 = step(s)
+    _, o2 = step(s)
+    assert o1.outputs[0].finish_reason is None
+    assert o2.outputs[0].finish_reason == FinishReason.LENGTH
+
+
+def test_abort_frees_blocks_and_unknown_ids_are_ignored() -> None:
+    s = make_scheduler()
+    r = add(s, 10)
+    step(s)
+    assert s.kv_cache_manager.num_free_blocks < 99
+    s.finish_requests([r.request_id, "no-such-id"], RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache_manager.num_free_blocks == 99 and not s.has_unfinished_requests()
+    out = s.schedule()
+    assert r.request_id in out.finished_req_ids
