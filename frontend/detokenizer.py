@@ -17,7 +17,10 @@ _CONTEXT_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
         spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer

@@ -31,7 +31,9 @@ class InputProcessor:
     ) -> tuple[EngineCoreRequest, str | None]:
         """Returns the request for the core and the prompt text (None for token prompts)."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         text, token_ids = self._tokenize(prompt)
         config = self.model_config
         if not token_ids:
@@ -67,6 +69,5 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        raise TypeError(
-            f'a prompt must be a string or {{"prompt_token_ids": [...]}}, got {type(prompt).__name__}'
-        )
+        kind = type(prompt).__name__
+        raise TypeError(f'a prompt must be a string or {{"prompt_token_ids": [...]}}, got {kind}')

@@ -101,8 +101,7 @@ class LLM:
             req_id = str(next(self._request_counter))
             requests.append(engine.input_processor.process(req_id, prompt, params, prio))
         for request, text in requests:
-            engine.output_processor.add_request(request, text)
-            engine.client.add_request(request)
+            engine.submit(request, text)
 
         order = {request.request_id: i for i, (request, _) in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)

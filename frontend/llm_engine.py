@@ -15,7 +15,7 @@ from tokenmill.frontend.input_processor import InputProcessor, PromptType
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.protocol.config import EngineArgs, EngineConfig
-from tokenmill.protocol.messages import SamplingParams
+from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,9 @@ class LLMEngine:
         self.client = EngineCoreClient.make_client(config)
         self.config = self.client.engine_config
         model_config = self.config.model_config
-        self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        self.tokenizer = (
+            None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        )
         self.input_processor = InputProcessor(model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -42,8 +44,11 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> None:
-        request, text = self.input_processor.process(request_id, prompt, params, priority)
-        self.output_processor.add_request(request, text)
+        self.submit(*self.input_processor.process(request_id, prompt, params, priority))
+
+    def submit(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
+        """Sends an already processed request to the core and starts tracking its output."""
+        self.output_processor.add_request(request, prompt_text)
         self.client.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -181,15 +181,12 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     load_format: str = "auto"
     device: str = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return {f.name for f in dataclasses.fields(cls)}
 
     def create_engine_config(self) -> EngineConfig:
-        if self.extra:
-            raise TypeError(f"unknown engine arguments: {sorted(self.extra)}")
         device = _resolve_device(self.device)
         model_path = resolve_model(self.model)
         hf = json.loads((Path(model_path) / "config.json").read_text())
@@ -205,7 +202,10 @@ class EngineArgs:
                 f">= max_model_len ({model_config.max_model_len}) when chunked prefill is off",
             )
         _check(
-            self.load_format in ("auto", "dummy"), "load_format", self.load_format, '"auto" or "dummy"'
+            self.load_format in ("auto", "dummy"),
+            "load_format",
+            self.load_format,
+            '"auto" or "dummy"',
         )
         return EngineConfig(
             model_config=model_config,

@@ -16,9 +16,7 @@ import msgspec
 GREEDY_TEMPERATURE = 1e-5
 
 
-class SamplingParams(
-    msgspec.Struct, omit_defaults=True, kw_only=True, dict=True
-):  # type: ignore[call-arg]
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
     """How to sample one request's completion, under vLLM's names and defaults."""
 
     n: int = 1
@@ -80,9 +78,6 @@ class SamplingParams(
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
-    def clone(self) -> SamplingParams:
-        return msgspec.structs.replace(self)
-
 
 class FinishReason(enum.IntEnum):
     """Why a request ended; sent as an int, shown to users as vLLM's strings."""
@@ -96,9 +91,7 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
-class EngineCoreRequest(
-    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
-):  # type: ignore[call-arg]
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -107,9 +100,7 @@ class EngineCoreRequest(
     priority: int = 0
 
 
-class EngineCoreOutput(
-    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
-):  # type: ignore[call-arg]
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     request_id: str
     new_token_ids: list[int]
     finish_reason: Optional[FinishReason] = None
@@ -122,8 +113,6 @@ class EngineCoreOutput(
         return self.finish_reason is not None
 
 
-class EngineCoreOutputs(
-    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
-):  # type: ignore[call-arg]
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0

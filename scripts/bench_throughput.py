@@ -76,7 +76,9 @@ def run_hf(args: argparse.Namespace, model_path: str, workload: Workload) -> tup
 
     dtype = torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype)
     if args.load_format == "dummy":
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model_path), dtype=dtype
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.eval()
@@ -115,8 +117,12 @@ def cpu_name() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1-cpu")
     parser.add_argument("--compare", choices=["hf"], default=None)
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
@@ -137,12 +143,17 @@ def main() -> None:
     vocab = json.load(open(os.path.join(model_path, "config.json")))["vocab_size"]
     workload = make_workload(args.workload, vocab)
     device = _resolve_device("auto")
-    print(f"workload {args.workload}: {len(workload.prompts)} requests, "
-          f"{sum(map(len, workload.prompts))} prompt tokens, {sum(workload.output_lens)} output tokens")
+    print(
+        f"workload {args.workload}: {len(workload.prompts)} requests, "
+        f"{sum(map(len, workload.prompts))} prompt tokens, "
+        f"{sum(workload.output_lens)} output tokens"
+    )
     print(f"model {model_path} (load_format={args.load_format}, dtype={args.dtype})")
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"device {device}: {torch.cuda.get_device_name() if device == 'cuda' else cpu_name()}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"device {device}: {torch.cuda.get_device_name() if device == 'cuda' else cpu_name()}, "
+        f"{torch.get_num_threads()} threads"
+    )
 
     rows = []
     elapsed, tokens = run_tokenmill(args, workload)
@@ -153,7 +164,8 @@ def main() -> None:
 
     base = rows[-1][2] / rows[-1][1] if args.compare else None
     print()
-    print(f"| {'engine':<16} | {'time (s)':>9} | {'output tokens':>13} | {'output tok/s':>12} | {'vs HF':>6} |")
+    header = ("engine", "time (s)", "output tokens", "output tok/s", "vs HF")
+    print("| {:<16} | {:>9} | {:>13} | {:>12} | {:>6} |".format(*header))
     print(f"|{'-' * 18}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|")
     for name, elapsed, tokens in rows:
         rate = tokens / elapsed

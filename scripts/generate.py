@@ -1,6 +1,6 @@
 """The main job: answer a few chat prompts with the default model and report throughput.
 
-    python scripts/generate.py [--model PATH] [--max-tokens N] [--temperature T]
+python scripts/generate.py [--model PATH] [--max-tokens N] [--temperature T]
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ PROMPTS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()

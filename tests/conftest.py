@@ -32,11 +32,18 @@ TINY_CONFIGS = {
     # Qwen3: explicit head_dim different from hidden/heads, per-head q/k norms.
     "qwen3": dict(
         arch="Qwen3ForCausalLM",
-        kwargs=dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False),
+        kwargs=dict(
+            num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False
+        ),
     ),
     "mistral": dict(
         arch="MistralForCausalLM",
-        kwargs=dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None),
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=None,
+        ),
     ),
 }
 

@@ -94,7 +94,9 @@ def _param(params: dict[str, nn.Parameter], name: str, checkpoint_name: str) -> 
     try:
         return params[name]
     except KeyError:
-        raise ValueError(f"checkpoint tensor {checkpoint_name!r} matches no model parameter") from None
+        raise ValueError(
+            f"checkpoint tensor {checkpoint_name!r} matches no model parameter"
+        ) from None
 
 
 @torch.no_grad()

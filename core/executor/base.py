@@ -37,7 +37,9 @@ class Executor(ABC):
     def _init_executor(self) -> None: ...
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
         """Calls `Worker.<method>(*args, **kwargs)` on every rank; one result per rank."""
 
     def determine_available_memory(self) -> int:

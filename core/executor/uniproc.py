@@ -18,7 +18,9 @@ class UniProcExecutor(Executor):
         self.worker.init_device()
         self.worker.load_model()
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:

@@ -74,7 +74,9 @@ class FreeBlockQueue:
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
+            raise ValueError(
+                f"num_blocks must be at least 2 (one is the null block), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]

@@ -206,7 +206,10 @@ class Scheduler:
             if token_id in params.stop_token_ids:  # type: ignore[operator]
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

@@ -44,7 +44,9 @@ def test_stop_token_ids(smollm2_llm: LLM) -> None:
     reference = smollm2_llm.chat(QUESTION, greedy(max_tokens=64), use_tqdm=False)[0].outputs[0]
     stop_id = reference.token_ids[3]
     first = reference.token_ids.index(stop_id)
-    out = smollm2_llm.chat(QUESTION, greedy(max_tokens=64, stop_token_ids=[stop_id]), use_tqdm=False)
+    out = smollm2_llm.chat(
+        QUESTION, greedy(max_tokens=64, stop_token_ids=[stop_id]), use_tqdm=False
+    )
     completion = out[0].outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop_id
     assert completion.token_ids == reference.token_ids[: first + 1]
@@ -56,7 +58,9 @@ def test_stop_strings(smollm2_llm: LLM, include: bool) -> None:
     text = reference.text
     stop = "France"
     assert stop in text, text
-    params = greedy(max_tokens=64, stop=["no such string", stop], include_stop_str_in_output=include)
+    params = greedy(
+        max_tokens=64, stop=["no such string", stop], include_stop_str_in_output=include
+    )
     completion = smollm2_llm.chat(QUESTION, params, use_tqdm=False)[0].outputs[0]
     cut = text.index(stop) + (len(stop) if include else 0)
     assert completion.text == text[:cut]

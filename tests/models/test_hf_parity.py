@@ -65,9 +65,10 @@ def compare_greedy(hf_model, prompts: list[list[int]], outputs: list[list[int]])
         with torch.inference_mode():
             logits = hf_model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
         top2 = logits.topk(2)
-        tie = set(top2.indices.tolist()) == {ours[i], ref[i]} and float(
-            top2.values[0] - top2.values[1]
-        ) < NEAR_TIE
+        tie = (
+            set(top2.indices.tolist()) == {ours[i], ref[i]}
+            and float(top2.values[0] - top2.values[1]) < NEAR_TIE
+        )
         assert tie, f"diverged at {i} without a near-tie:\nours {ours}\nhf   {ref}"
         near_ties += 1
     return near_ties
@@ -87,7 +88,9 @@ def test_smollm2_greedy_matches_hf(smollm2_path: str, smollm2_llm: LLM) -> None:
     assert 5 <= lengths[0] <= 8 and 250 <= lengths[-1] <= 300, lengths
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    outputs = smollm2_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = smollm2_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     near_ties = compare_greedy(hf_model, prompts, [o.outputs[0].token_ids for o in outputs])
     assert near_ties <= 1

@@ -27,13 +27,22 @@ def make_batch(query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size
     # Earlier context lives in the cache already.
     for table, s, q in zip(tables, seq_lens, query_lens):
         past = s - q
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(past)])
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(past)]
+        )
         if past:
-            write_kv_cache(cache, torch.randn(past, kv_heads, head_size, generator=g),
-                           torch.randn(past, kv_heads, head_size, generator=g), slots)
+            write_kv_cache(
+                cache,
+                torch.randn(past, kv_heads, head_size, generator=g),
+                torch.randn(past, kv_heads, head_size, generator=g),
+                slots,
+            )
     slot_mapping = np.array(
-        [table[p // block_size] * block_size + p % block_size
-         for table, s, q in zip(tables, seq_lens, query_lens) for p in range(s - q, s)]
+        [
+            table[p // block_size] * block_size + p % block_size
+            for table, s, q in zip(tables, seq_lens, query_lens)
+            for p in range(s - q, s)
+        ]
     )
     block_table = np.zeros((len(seq_lens), max_blocks), dtype=np.int64)
     for r, table in enumerate(tables):

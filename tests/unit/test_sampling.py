@@ -108,7 +108,9 @@ def test_sampler_follows_the_distribution() -> None:
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model) -> None:
-    llm = LLM(str(tiny_model("llama-gqa")), skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(
+        str(tiny_model("llama-gqa")), skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20
+    )
     try:
         target = {"prompt_token_ids": [5, 6, 7, 8, 9]}
         seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24)

@@ -21,11 +21,23 @@ from tokenmill.protocol.scheduler_output import ModelRunnerOutput, SchedulerOutp
 EOS = 2
 
 
-def make_scheduler(num_blocks=100, block_size=4, budget=16, max_num_seqs=8, chunked=True, max_len=256):
+def make_scheduler(
+    num_blocks=100, block_size=4, budget=16, max_num_seqs=8, chunked=True, max_len=256
+):
     model = ModelConfig(
-        model="fake", tokenizer="fake", dtype="float32", seed=0, max_model_len=max_len,
-        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=8, num_hidden_layers=1,
-        num_attention_heads=1, num_kv_heads=1, head_size=8, max_position_embeddings=max_len,
+        model="fake",
+        tokenizer="fake",
+        dtype="float32",
+        seed=0,
+        max_model_len=max_len,
+        architecture="LlamaForCausalLM",
+        vocab_size=100,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_kv_heads=1,
+        head_size=8,
+        max_position_embeddings=max_len,
         eos_token_ids=(EOS,),
     )
     config = EngineConfig(
@@ -90,7 +102,12 @@ def test_budget_is_shared_and_long_prompts_are_chunked() -> None:
     d = add(s, 20)
     out, _ = step(s)
     # Three decodes take 3 tokens; the new 20-token prompt is cut to the 13 that remain.
-    assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 1, c.request_id: 1, d.request_id: 13}
+    assert out.num_scheduled_tokens == {
+        a.request_id: 1,
+        b.request_id: 1,
+        c.request_id: 1,
+        d.request_id: 13,
+    }
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:

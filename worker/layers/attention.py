@@ -16,7 +16,12 @@ from tokenmill.worker.forward_context import get_forward_context
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, backend: AttentionBackend
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        backend: AttentionBackend,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads

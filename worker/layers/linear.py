@@ -18,13 +18,17 @@ from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_red
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
+        raise ValueError(
+            f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}"
+        )
     return numerator // denominator
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -107,7 +111,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp
         super().__init__(hidden_size, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         if shard_id == "q":
