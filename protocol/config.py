@@ -187,7 +187,7 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)}
 
     def create_engine_config(self) -> EngineConfig:
-        device = _resolve_device(self.device)
+        device = resolve_device(self.device)
         model_path = resolve_model(self.model)
         hf = json.loads((Path(model_path) / "config.json").read_text())
         model_config = _model_config(self, model_path, hf, device)
@@ -231,7 +231,7 @@ class EngineArgs:
         )
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
     _check(device in ("auto", "cpu", "cuda"), "device", device, '"auto", "cpu" or "cuda"')
     if device != "auto":
         return device

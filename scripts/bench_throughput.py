@@ -14,6 +14,7 @@ request's own output tokens are counted.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
@@ -134,15 +135,13 @@ def main() -> None:
     import torch
     import transformers
 
-    from tokenmill.protocol.config import _resolve_device
+    from tokenmill.protocol.config import resolve_device
     from tokenmill.protocol.default_model import resolve_model
 
     model_path = resolve_model(args.model)
-    import json
-
     vocab = json.load(open(os.path.join(model_path, "config.json")))["vocab_size"]
     workload = make_workload(args.workload, vocab)
-    device = _resolve_device("auto")
+    device = resolve_device("auto")
     print(
         f"workload {args.workload}: {len(workload.prompts)} requests, "
         f"{sum(map(len, workload.prompts))} prompt tokens, "
