@@ -100,14 +100,23 @@ class EngineCore:
 
     def get_stats(self) -> dict[str, float | int]:
         scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
         return {
             "num_running": scheduler.num_running,
             "num_waiting": scheduler.num_waiting,
-            "kv_cache_usage": scheduler.kv_cache_manager.usage(),
+            "kv_cache_usage": kv.usage(),
             "num_preemptions": scheduler.num_preemptions,
+            # Token counts over every admission since start-up.
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
             "num_blocks": self.kv_sizing.num_blocks,
+            "block_size": self.kv_sizing.block_size,
             "max_model_len": self.config.model_config.max_model_len,
         }
+
+    def reset_prefix_cache(self) -> bool:
+        self.scheduler.reset_prefix_cache()
+        return True
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -121,6 +130,8 @@ class _StepStats:
         self.last_log = time.monotonic()
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.last_queries = 0
+        self.last_hits = 0
 
     def record(self, core: EngineCore, num_scheduled: int, outputs: EngineCoreOutputs) -> None:
         generated = sum(len(o.new_token_ids) for o in outputs.outputs)
@@ -131,12 +142,18 @@ class _StepStats:
         if elapsed < self.interval:
             return
         stats = core.get_stats()
+        queries = int(stats["prefix_cache_queries"]) - self.last_queries
+        hits = int(stats["prefix_cache_hits"]) - self.last_hits
         logger.info(
-            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV usage %.1f%%",
+            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, "
+            "KV usage %.1f%%, prefix cache hit rate %.1f%%",
             self.prompt_tokens / elapsed,
             self.generated_tokens / elapsed,
             stats["num_running"],
             stats["num_waiting"],
             100 * stats["kv_cache_usage"],
+            100 * hits / queries if queries else 0.0,
         )
         self.last_log, self.prompt_tokens, self.generated_tokens = now, 0, 0
+        self.last_queries += queries
+        self.last_hits += hits

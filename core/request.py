@@ -51,6 +51,10 @@ class Request:
         # Tokens whose K/V are in the cache (or scheduled to be written this step).
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        # Prefix-cache keys of its full blocks, extended as tokens are appended, and how many
+        # of its blocks are registered in the cache.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
         room = max_model_len - self.num_prompt_tokens
         max_tokens = self.sampling_params.max_tokens
         self.max_tokens = room if max_tokens is None else max_tokens

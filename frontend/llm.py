@@ -120,7 +120,12 @@ class LLM:
         return [r for r in results if r is not None]
 
     def get_stats(self) -> dict[str, Any]:
+        """num_running, num_waiting, kv_cache_usage, num_preemptions, prefix_cache_queries
+        and prefix_cache_hits (token counts), and the KV cache's size."""
         return self.llm_engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

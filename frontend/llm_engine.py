@@ -68,5 +68,8 @@ class LLMEngine:
     def get_stats(self) -> dict[str, Any]:
         return self.client.call_utility("get_stats")
 
+    def reset_prefix_cache(self) -> bool:
+        return self.client.call_utility("reset_prefix_cache")
+
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -94,9 +94,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap on one request's chunk
+    policy: str = "fcfs"  # "fcfs" | "priority"
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
+        _check(
+            self.policy in ("fcfs", "priority"),
+            "scheduling_policy",
+            self.policy,
+            '"fcfs" or "priority"',
+        )
         _check(
             self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",
@@ -174,6 +181,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -221,6 +229,7 @@ class EngineArgs:
                 max_num_batched_tokens=batched,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

@@ -120,6 +120,24 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Registers a full block under its prefix hash. If another block already holds that
+        prefix (two requests computed it in the same step), the first one stays the entry."""
+        if block.block_hash is not None:
+            return
+        if block_hash not in self.cached_blocks:
+            self.cached_blocks[block_hash] = block
+            block.block_hash = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix; blocks in use keep their contents, unshared."""
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+
     def _evict_hash(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -1,13 +1,17 @@
-"""Per-request block tables on top of the BlockPool.
+"""Per-request block tables on top of the BlockPool, with prefix caching.
 
-The Scheduler asks `allocate_slots(request, n)` before scheduling `n` more tokens of a
-request and `free(request)` when it finishes or is preempted. The block ids it hands out are
-what the workers write K/V into (sent to them in the SchedulerOutput diff).
+The Scheduler asks `get_computed_blocks(request)` when it first considers a waiting request
+(the longest cached prefix, in whole blocks), then `allocate_slots(request, n, hits)` before
+scheduling `n` more tokens, and `free(request)` when it finishes or is preempted. Full blocks
+are registered under their prefix hash as soon as the step that fills them is scheduled, so a
+request scheduled later in the same step can share them: each layer writes the step's K/V
+before it attends.
 """
 
 from __future__ import annotations
 
 from tokenmill.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.kv_cache.hashing import extend_block_hashes
 from tokenmill.core.request import Request
 
 
@@ -16,10 +20,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Prompt tokens looked up in / found in the prefix cache (first scheduling only).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -28,23 +36,69 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage()
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Makes room for `num_new_tokens` more tokens; returns the new block ids, or None
-        (allocating nothing) when the pool is short."""
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks that start this request's tokens, and how many tokens they
+        cover. The last token is always left to compute, so that it yields logits."""
+        if not self.enable_caching:
+            return [], 0
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[int] | None:
+        """Makes room for `num_new_tokens` more tokens after `request.num_computed_tokens`
+        (which already counts `computed_blocks`, the prefix hits of a newly admitted request).
+        Returns the ids of the blocks it added, or None, changing nothing, when the pool is
+        short."""
+        computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
-        if needed <= 0:
-            return []
-        if needed > self.block_pool.num_free_blocks:
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
+        # Hits on free blocks take them out of the free queue too.
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_needed, 0) + num_revived > self.block_pool.num_free_blocks:
             return None
-        new_blocks = self.block_pool.get_new_blocks(needed)
+        self.block_pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_needed) if num_needed > 0 else []
         blocks.extend(new_blocks)
-        return [b.block_id for b in new_blocks]
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, total_tokens)
+        return [b.block_id for b in computed_blocks + new_blocks]
+
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        # Tokens past num_tokens (a later chunk) have no K/V yet, so their blocks wait.
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(request.num_cached_blocks, num_full):
+            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        request.num_cached_blocks = 0
         # Tail blocks first: they are the least likely to be shared, so evict them first.
         self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()

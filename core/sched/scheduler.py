@@ -2,19 +2,22 @@
 
 There are no prefill and decode phases: each request has `num_computed_tokens` and catches up
 to its token count under one per-step budget (`max_num_batched_tokens`), running requests
-first, then waiting ones. Long prompts are chunked across steps. When KV blocks run out the
-most recently admitted running request is preempted (freed, sent back to the front of the
-waiting queue, recomputed later). EngineCore calls `schedule()` then, with the workers' sampled
-tokens, `update_from_output()`, which applies stop conditions and builds `EngineCoreOutputs`.
+first, then waiting ones (FCFS, or by priority). A waiting request starts from its longest
+prefix-cache hit; long prompts are chunked across steps. When KV blocks run out the last
+running request (the most recently admitted under FCFS, the lowest priority under the
+priority policy) is preempted: freed, re-queued, recomputed later, reusing whatever of its
+blocks is still cached. EngineCore calls `schedule()` then, with the workers' sampled tokens,
+`update_from_output()`, which applies stop conditions and builds `EngineCoreOutputs`.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched.request_queue import make_queue
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import EngineCoreOutput, EngineCoreOutputs
 from tokenmill.protocol.scheduler_output import (
@@ -33,9 +36,15 @@ class Scheduler:
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.long_prefill_token_threshold = sched.long_prefill_token_threshold
         self.max_model_len = config.model_config.max_model_len
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache_config.block_size)
+        self.policy = sched.policy
+        cache = config.cache_config
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching
+        )
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_queue(sched.policy)
+        # Under the priority policy, kept sorted by (priority, arrival): the last one is always
+        # the one to preempt, under both policies.
         self.running: list[Request] = []
         # Ended or preempted since the last step; the workers drop these on the next one.
         self.finished_req_ids: set[str] = set()
@@ -44,7 +53,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Ends requests from outside the step (aborts); unknown ids are ignored."""
@@ -62,7 +71,10 @@ class Scheduler:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.waiting) or self.running)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
 
     @property
     def num_running(self) -> int:
@@ -103,22 +115,27 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt admits nobody: the pool is already short.
-        while not preempted and self.waiting and budget > 0:
+        kv = self.kv_cache_manager
+        while not preempted and len(self.waiting) and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
-            request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            request = self.waiting.peek()
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            request.num_computed_tokens = num_hit_tokens
+            num_new = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget:
+                request.num_computed_tokens = 0
                 break
             num_new = self._num_new_tokens(request, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
-            if new_blocks is None:
+            if kv.allocate_slots(request, num_new, hits) is None:
+                request.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
-            self.running.append(request)
+            kv.record_lookup(request, num_hit_tokens)
+            self.waiting.pop()
+            self._add_running(request)
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = request.num_computed_tokens
+                request.num_cached_tokens = num_hit_tokens
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             new_reqs.append(
@@ -127,7 +144,7 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     sampling_params=request.sampling_params,
                     eos_token_ids=list(request.eos_token_ids),
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     output_token_ids=list(request.output_token_ids),
                 )
@@ -145,6 +162,15 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += n
         return output
 
+    def _add_running(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self.running.append(request)
+            return
+        keys = [(r.priority, r.arrival_time) for r in self.running]
+        self.running.insert(
+            bisect.bisect_right(keys, (request.priority, request.arrival_time)), request
+        )
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
         if self.long_prefill_token_threshold > 0:
@@ -157,7 +183,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
         self.finished_req_ids.add(request.request_id)
 
     # ------------------------------------------------------------------------------ outputs

@@ -22,7 +22,14 @@ EOS = 2
 
 
 def make_scheduler(
-    num_blocks=100, block_size=4, budget=16, max_num_seqs=8, chunked=True, max_len=256
+    num_blocks=100,
+    block_size=4,
+    budget=16,
+    max_num_seqs=8,
+    chunked=True,
+    max_len=256,
+    caching=False,
+    policy="fcfs",
 ):
     model = ModelConfig(
         model="fake",
@@ -42,9 +49,12 @@ def make_scheduler(
     )
     config = EngineConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=block_size),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            enable_chunked_prefill=chunked,
+            policy=policy,
         ),
         parallel_config=ParallelConfig(),
         device_config=DeviceConfig(),
@@ -56,15 +66,23 @@ def make_scheduler(
 _ids = itertools.count()
 
 
-def add(scheduler: Scheduler, prompt_len: int, **params) -> Request:
+def add(
+    scheduler: Scheduler,
+    prompt_len: int,
+    prompt: list[int] | None = None,
+    priority: int = 0,
+    arrival: float = 0.0,
+    **params,
+) -> Request:
     params.setdefault("max_tokens", 100)
     request = Request(
         EngineCoreRequest(
             request_id=f"r{next(_ids)}",
-            prompt_token_ids=list(range(10, 10 + prompt_len)),
+            prompt_token_ids=prompt or list(range(10, 10 + prompt_len)),
             sampling_params=SamplingParams(temperature=0.0, **params),
             eos_token_ids=[EOS],
-            arrival_time=0.0,
+            arrival_time=arrival,
+            priority=priority,
         ),
         scheduler.max_model_len,
     )
@@ -127,7 +145,7 @@ def test_preemption_frees_the_last_admitted_and_resumes_it() -> None:
     out, _ = step(s)  # both need a 3rd block: only one is free, so b (admitted last) goes
     assert out.num_scheduled_tokens == {a.request_id: 1}
     assert s.num_preemptions == 1 and b.status == RequestStatus.PREEMPTED
-    assert s.waiting[0] is b and b.num_computed_tokens == 0
+    assert s.waiting.peek() is b and b.num_computed_tokens == 0
     assert s.kv_cache_manager.get_block_ids(b.request_id) == []
     # a finishes; b comes back as a new request carrying the output it already had.
     s.finish_requests([a.request_id], RequestStatus.FINISHED_ABORTED)
@@ -189,3 +207,76 @@ def test_abort_frees_blocks_and_unknown_ids_are_ignored() -> None:
     assert s.kv_cache_manager.num_free_blocks == 99 and not s.has_unfinished_requests()
     out = s.schedule()
     assert r.request_id in out.finished_req_ids
+
+
+def test_priority_policy_admits_and_preempts_by_priority() -> None:
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, policy="priority")
+    low = add(s, 8, priority=5, arrival=0.0)
+    high = add(s, 8, priority=1, arrival=1.0)
+    out, _ = step(s)
+    # Both fit; the more urgent one is admitted and runs first.
+    assert [r.req_id for r in out.scheduled_new_reqs] == [high.request_id, low.request_id]
+    assert s.running == [high, low]
+    out, _ = step(s)  # each needs a third block; one is free: the low-priority one goes
+    assert out.num_scheduled_tokens == {high.request_id: 1}
+    assert low.status == RequestStatus.PREEMPTED and s.waiting.peek() is low
+
+
+def test_same_step_prefix_sharing() -> None:
+    s = make_scheduler(caching=True, budget=64)
+    prompt = list(range(100, 110))
+    a, b = add(s, 0, prompt=prompt), add(s, 0, prompt=prompt)
+    out, _ = step(s)
+    # b shares a's two full blocks, written earlier in the same forward pass.
+    assert out.num_scheduled_tokens == {a.request_id: 10, b.request_id: 2}
+    assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
+    ids_a = s.kv_cache_manager.get_block_ids(a.request_id)
+    ids_b = s.kv_cache_manager.get_block_ids(b.request_id)
+    assert ids_a[:2] == ids_b[:2] and ids_a[2] != ids_b[2]
+    assert s.kv_cache_manager.prefix_cache_queries == 20
+    assert s.kv_cache_manager.prefix_cache_hits == 8
+
+
+def test_fully_cached_prompt_recomputes_its_last_token() -> None:
+    s = make_scheduler(caching=True, budget=64)
+    prompt = list(range(100, 108))  # exactly two full blocks
+    a = add(s, 0, prompt=prompt, max_tokens=1)
+    step(s)
+    b = add(s, 0, prompt=prompt)
+    out, _ = step(s)
+    # Only the first block may be a hit: the last token must run to produce logits.
+    assert out.num_scheduled_tokens == {b.request_id: 4} and b.num_cached_tokens == 4
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_preempted_request_resumes_from_its_cached_blocks() -> None:
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=True)
+    a = add(s, 0, prompt=list(range(100, 108)))
+    b = add(s, 0, prompt=list(range(200, 208)))
+    step(s)
+    step(s)  # b is preempted; its two full prompt blocks stay cached in the free queue
+    assert b.status == RequestStatus.PREEMPTED
+    s.finish_requests([a.request_id], RequestStatus.FINISHED_ABORTED)
+    out, _ = step(s)
+    (resumed,) = out.scheduled_new_reqs
+    assert resumed.num_computed_tokens == 8  # both prompt blocks reused
+    assert out.num_scheduled_tokens == {b.request_id: 1}
+
+
+def test_reallocated_block_loses_its_hash() -> None:
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64, caching=True)
+    a = add(s, 0, prompt=list(range(100, 105)), max_tokens=1)
+    step(s)  # a finishes; its full block (tokens 100..103) stays cached but free
+    pool = s.kv_cache_manager.block_pool
+    assert len(pool.cached_blocks) == 1
+    # A 12-token prompt takes every free block, evicting the cached one.
+    c = add(s, 0, prompt=list(range(300, 312)), max_tokens=1)
+    step(s)
+    assert c.num_cached_tokens == 0
+    d = add(s, 0, prompt=list(range(100, 105)))
+    step(s)
+    # The old prefix is gone: no stale hit on a block that now holds c's tokens.
+    assert d.num_cached_tokens == 0
+    hashes = {b.block_hash for b in pool.blocks if b.block_hash is not None}
+    assert hashes == set(pool.cached_blocks)
+    assert a.status.finished
