@@ -57,7 +57,14 @@ class Request:
         self.num_cached_blocks = 0
         room = max_model_len - self.num_prompt_tokens
         max_tokens = self.sampling_params.max_tokens
-        self.max_tokens = room if max_tokens is None else max_tokens
+        self.max_tokens = room if max_tokens is None else min(max_tokens, room)
+        # Stop rules, precomputed for the per-token check: the sampler bans these ids until
+        # min_tokens are out; the request ends at max_tokens or max_model_len, whichever is first.
+        params = self.sampling_params
+        self.min_tokens = params.min_tokens
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        self.eos_stops = not params.ignore_eos
+        self.max_num_tokens = self.num_prompt_tokens + max(self.max_tokens, 1)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

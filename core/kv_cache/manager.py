@@ -15,10 +15,6 @@ from tokenmill.core.kv_cache.hashing import extend_block_hashes
 from tokenmill.core.request import Request
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
         self.block_size = block_size
@@ -65,21 +61,29 @@ class KVCacheManager:
         (which already counts `computed_blocks`, the prefix hits of a newly admitted request).
         Returns the ids of the blocks it added, or None, changing nothing, when the pool is
         short."""
-        computed_blocks = computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request.request_id] = []
         total_tokens = request.num_computed_tokens + num_new_tokens
-        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
-        # Hits on free blocks take them out of the free queue too.
-        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(num_needed, 0) + num_revived > self.block_pool.num_free_blocks:
-            return None
-        self.block_pool.touch(computed_blocks)
-        blocks.extend(computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_needed) if num_needed > 0 else []
-        blocks.extend(new_blocks)
-        if self.enable_caching:
+        num_needed = -(-total_tokens // self.block_size) - len(blocks)
+        added: list[KVCacheBlock] = []
+        if computed_blocks:
+            num_needed -= len(computed_blocks)
+            # Hits on free blocks take them out of the free queue too.
+            num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+            if max(num_needed, 0) + num_revived > self.block_pool.num_free_blocks:
+                return None
+            self.block_pool.touch(computed_blocks)
+            added.extend(computed_blocks)
+        if num_needed > 0:
+            if num_needed > self.block_pool.num_free_blocks:
+                return None
+            added.extend(self.block_pool.get_new_blocks(num_needed))
+        blocks.extend(added)
+        # A block is registered in the prefix cache once the step that fills it is scheduled.
+        if self.enable_caching and total_tokens // self.block_size > request.num_cached_blocks:
             self._cache_full_blocks(request, blocks, total_tokens)
-        return [b.block_id for b in computed_blocks + new_blocks]
+        return [b.block_id for b in added]
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int

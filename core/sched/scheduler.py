@@ -90,8 +90,10 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
+        kv = self.kv_cache_manager
         preempted = False
 
+        # Running requests first: a decode needs one token, a chunked prompt its next chunk.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -99,7 +101,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -107,15 +109,17 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            num_scheduled[request.request_id] = num_new
+            req_id = request.request_id
+            num_scheduled[req_id] = num_new
             budget -= num_new
-            cached.req_ids.append(request.request_id)
+            cached.req_ids.append(req_id)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            request.num_computed_tokens += num_new
             i += 1
 
-        # A step that had to preempt admits nobody: the pool is already short.
-        kv = self.kv_cache_manager
+        # Then waiting ones, from their prefix-cache hit on. A step that had to preempt admits
+        # nobody: the pool is already short.
         while not preempted and len(self.waiting) and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -145,10 +149,11 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     eos_token_ids=list(request.eos_token_ids),
                     block_ids=kv.get_block_ids(request.request_id),
-                    num_computed_tokens=request.num_computed_tokens,
+                    num_computed_tokens=num_hit_tokens,
                     output_token_ids=list(request.output_token_ids),
                 )
             )
+            request.num_computed_tokens += num_new
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -158,8 +163,6 @@ class Scheduler:
             finished_req_ids=list(self.finished_req_ids),
         )
         self.finished_req_ids = set()
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
         return output
 
     def _add_running(self, request: Request) -> None:
@@ -172,7 +175,7 @@ class Scheduler:
         )
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        num_new = len(request.all_token_ids) - request.num_computed_tokens
         if self.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return min(num_new, budget)
@@ -192,25 +195,28 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
+        running = RequestStatus.RUNNING
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
             # Preempted or aborted while the step ran: its token is recomputed or moot.
-            if request is None or request.status != RequestStatus.RUNNING or not token_ids:
+            if request is None or request.status != running or not token_ids:
                 continue
             new_tokens = []
+            finish_reason = None
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_tokens.append(token_id)
-                status = self._check_stop(request)
+                status = self._check_stop(request, token_id)
                 if status is not None:
                     request.status = status
+                    finish_reason = status.finish_reason
                     stopped.append(request)
                     break
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_tokens,
-                    finish_reason=request.status.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
@@ -222,20 +228,14 @@ class Scheduler:
                 self._free(request, request.status)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        token_id = request.output_token_ids[-1]
-        # The sampler masks stop tokens until min_tokens have been produced.
-        if request.num_output_tokens > params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        if request.num_output_tokens > request.min_tokens:
+            if request.eos_stops and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:  # type: ignore[operator]
+            if token_id in request.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
+        if len(request.all_token_ids) >= request.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
