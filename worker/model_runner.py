@@ -55,11 +55,11 @@ class ModelRunner:
             )
             attn.kv_cache = cache
             self.kv_caches.append(cache)
-        # Attention reads whole blocks, including slots not yet written; each block is zeroed
-        # the first time a request gets it so those reads are finite. Block 0 is the null
-        # block that pads block tables.
-        self.block_zeroed = np.zeros(num_blocks, dtype=bool)
-        self._zero_blocks([0])
+        # Attention reads whole blocks, including slots not yet written, so a block must hold
+        # finite values before its first use: it is zeroed then, unless that first step
+        # writes all of it. Block 0 is the null block that pads block tables.
+        self.block_ready = np.zeros(num_blocks, dtype=bool)
+        self._prepare_blocks(np.array([0]), np.array([], dtype=np.int64))
         self.input_batch = InputBatch(
             self.config.scheduler_config.max_num_seqs,
             max_model_len,
@@ -67,12 +67,15 @@ class ModelRunner:
             self.config.model_config.vocab_size,
         )
 
-    def _zero_blocks(self, block_ids: list[int]) -> None:
-        ids = np.asarray(block_ids, dtype=np.int64)
-        ids = ids[~self.block_zeroed[ids]]
+    def _prepare_blocks(self, block_ids: np.ndarray, slot_mapping: np.ndarray) -> None:
+        ids = block_ids[~self.block_ready[block_ids]]
         if len(ids) == 0:
             return
-        self.block_zeroed[ids] = True
+        self.block_ready[ids] = True
+        written, counts = np.unique(slot_mapping // self.block_size, return_counts=True)
+        ids = np.setdiff1d(ids, written[counts == self.block_size])
+        if len(ids) == 0:
+            return
         index = torch.from_numpy(ids).to(self.device)
         for cache in self.kv_caches:
             cache.index_fill_(0, index, 0.0)
@@ -82,10 +85,6 @@ class ModelRunner:
         batch = self.input_batch
         assert batch is not None and self.model is not None, "initialize_kv_cache() first"
         batch.apply(out)
-        self._zero_blocks(
-            [b for new in out.scheduled_new_reqs for b in new.block_ids]
-            + [b for ids in out.scheduled_cached_reqs.new_block_ids for b in ids]
-        )
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
@@ -104,6 +103,10 @@ class ModelRunner:
         input_ids = batch.token_ids[token_rows, positions]
         bs = self.block_size
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        new_block_ids = [b for new in out.scheduled_new_reqs for b in new.block_ids]
+        new_block_ids += [b for ids in out.scheduled_cached_reqs.new_block_ids for b in ids]
+        if new_block_ids:
+            self._prepare_blocks(np.array(new_block_ids, dtype=np.int64), slot_mapping)
 
         attn_inputs = StepAttentionInputs(
             num_decodes=int(np.count_nonzero(query_lens == 1)),
@@ -113,6 +116,7 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             block_size=bs,
             device=self.device,
+            dtype=self.dtype,
         )
         metadata = self.attn_backend.build_metadata(attn_inputs)
         with set_forward_context(metadata):

@@ -82,6 +82,7 @@ def test_torch_backend_matches_reference(heads: int, kv_heads: int) -> None:
             slot_mapping=slot_mapping,
             block_size=block_size,
             device=torch.device("cpu"),
+            dtype=torch.float32,
         )
     )
     out = backend.forward(q, k, v, cache, meta, scale)

@@ -25,6 +25,7 @@ class StepAttentionInputs:
     slot_mapping: np.ndarray  # [T] cache slot of each new token
     block_size: int
     device: torch.device
+    dtype: torch.dtype  # the model's activations
 
 
 class AttentionBackend(ABC):

@@ -29,7 +29,7 @@ class DecodeGroup:
     token_idx: torch.Tensor  # [g] rows of the flattened batch (decode i is token i)
     block_ids: torch.Tensor  # [g * max_blocks] each request's blocks, null-padded
     num_blocks: int  # max_blocks: blocks per request in this group
-    mask: torch.Tensor  # [g, 1, 1, max_blocks * block_size] True where a key is attended
+    mask: torch.Tensor  # [g, 1, 1, max_blocks * block_size] additive: 0 attended, -inf not
 
 
 @dataclass
@@ -65,12 +65,15 @@ class TorchAttentionBackend(AttentionBackend):
             max_blocks = -(-int(seq_lens.max()) // bs)
             block_ids = inputs.block_table[members, :max_blocks].astype(np.int64)
             valid = np.arange(max_blocks * bs)[None, :] < seq_lens[:, None]
+            # Additive float mask built once per step (SDPA would convert a boolean one in
+            # every layer).
+            mask = np.where(valid, 0.0, -np.inf).astype(np.float32)
             groups.append(
                 DecodeGroup(
                     token_idx=torch.from_numpy(members.astype(np.int64)).to(device),
                     block_ids=torch.from_numpy(block_ids.reshape(-1)).to(device),
                     num_blocks=max_blocks,
-                    mask=torch.from_numpy(valid).to(device)[:, None, None, :],
+                    mask=torch.from_numpy(mask).to(device, inputs.dtype)[:, None, None, :],
                 )
             )
 

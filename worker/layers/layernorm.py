@@ -13,15 +13,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # HF's arithmetic, in the same order, with in-place steps on the temporaries.
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        scale = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        y = x * scale
+        if y.dtype != dtype:
+            y = y.to(dtype)
+        return y.mul_(self.weight)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With a residual: adds x into it (in place; the caller hands it over) and normalizes
+        the sum, returning both."""
         if residual is None:
             return self._norm(x)
-        residual = x + residual
+        residual.add_(x)
         return self._norm(residual), residual

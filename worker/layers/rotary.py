@@ -1,8 +1,9 @@
 """Rotary position embedding (rotate-half / NeoX style, as HF Llama applies it).
 
 cos/sin tables for every position up to max_position are computed once, in fp32, exactly
-as HF computes them, so that results match HF bit for bit; each step indexes them by
-position. Supports rope_type "default", "linear" and "llama3".
+as HF computes them, so that results match HF bit for bit. The model looks up the step's
+positions once (`cos_sin`) and every layer rotates with them (`apply_rotary`). Supports
+rope_type "default", "linear" and "llama3".
 """
 
 from __future__ import annotations
@@ -64,11 +65,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotates x: [T, heads, d] (queries and keys may come stacked as one tensor)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rotation: cos and sin, each [T, 1, d], to broadcast over heads."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotates x: [T, heads, d] (queries and keys may come stacked as one tensor)."""
+    cos, sin = cos_sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

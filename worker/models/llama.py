@@ -24,7 +24,7 @@ from tokenmill.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tokenmill.worker.layers.rotary import RotaryEmbedding, rope_parameters
+from tokenmill.worker.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
 class LlamaAttention(nn.Module):
@@ -41,9 +41,6 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         o_bias = bool(config.get("attention_bias", False))  # Qwen2's qkv bias leaves o_proj bare
         self.o_proj = RowParallelLinear(num_heads * self.head_size, hidden, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_size, config.get("max_position_embeddings", 2048), rope_parameters(config)
-        )
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_size, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, eps) if qk_norm else None
@@ -51,14 +48,14 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5, backend
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_size)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Queries and keys rotate together: one set of elementwise ops instead of two.
-        qk = self.rotary_emb(positions, qk)
+        qk = apply_rotary(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v))
 
@@ -90,14 +87,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -113,12 +113,18 @@ class LlamaModel(nn.Module):
             for _ in range(config["num_hidden_layers"])
         )
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+        # One table for every layer: all layers rotate by the same positions.
+        head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        self.rotary_emb = RotaryEmbedding(
+            head_size, config.get("max_position_embeddings", 2048), rope_parameters(config)
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
