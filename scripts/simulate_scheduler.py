@@ -172,7 +172,11 @@ def simulate(scenario: Scenario, max_steps: int = 2000) -> Trace:
 def scenarios(seed: int = 0) -> list[Scenario]:
     rng = random.Random(seed)
     continuous = [
-        Arrival(step=int(i * 1.5), prompt=_tokens(rng, rng.randint(20, 160)), max_tokens=rng.randint(8, 40))
+        Arrival(
+            step=int(i * 1.5),
+            prompt=_tokens(rng, rng.randint(20, 160)),
+            max_tokens=rng.randint(8, 40),
+        )
         for i in range(30)
     ]
     preemption = [
@@ -181,16 +185,39 @@ def scenarios(seed: int = 0) -> list[Scenario]:
     ]
     system = _tokens(rng, 64)
     prefix = [
-        Arrival(step=i, prompt=system + _tokens(rng, rng.randint(8, 40)), max_tokens=rng.randint(8, 24))
+        Arrival(
+            step=i, prompt=system + _tokens(rng, rng.randint(8, 40)), max_tokens=rng.randint(8, 24)
+        )
         for i in range(16)
     ]
     return [
-        Scenario("continuous", "Continuous batching: ample KV, requests arriving over time",
-                 num_blocks=400, block_size=16, budget=256, max_num_seqs=32, arrivals=continuous),
-        Scenario("preemption", "Forced preemption: 3 KV blocks of 10 tokens",
-                 num_blocks=4, block_size=10, budget=64, max_num_seqs=8, arrivals=preemption),
-        Scenario("prefix", "Prefix caching: a shared 64-token system prompt",
-                 num_blocks=200, block_size=16, budget=128, max_num_seqs=16, arrivals=prefix),
+        Scenario(
+            "continuous",
+            "Continuous batching: ample KV, requests arriving over time",
+            num_blocks=400,
+            block_size=16,
+            budget=256,
+            max_num_seqs=32,
+            arrivals=continuous,
+        ),
+        Scenario(
+            "preemption",
+            "Forced preemption: 3 KV blocks of 10 tokens",
+            num_blocks=4,
+            block_size=10,
+            budget=64,
+            max_num_seqs=8,
+            arrivals=preemption,
+        ),
+        Scenario(
+            "prefix",
+            "Prefix caching: a shared 64-token system prompt",
+            num_blocks=200,
+            block_size=16,
+            budget=128,
+            max_num_seqs=16,
+            arrivals=prefix,
+        ),
     ]
 
 
@@ -326,8 +353,10 @@ def main() -> None:
     write_page(traces, page)
     print(f"wrote {page}")
     overhead = measure_overhead()
-    print(f"scheduler overhead: {overhead:.0f} us per schedule() + update_from_output() "
-          f"with 256 running requests")
+    print(
+        f"scheduler overhead: {overhead:.0f} us per schedule() + update_from_output() "
+        f"with 256 running requests"
+    )
 
 
 if __name__ == "__main__":
