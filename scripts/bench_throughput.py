@@ -53,6 +53,8 @@ def run_tokenmill(args: argparse.Namespace, workload: Workload) -> tuple[float, 
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
+        device=args.device,
+        skip_tokenizer_init=True,  # token-id prompts; nothing to detokenize
     )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": workload.prompts[0][:32]}], warm, use_tqdm=False)
@@ -71,18 +73,19 @@ def run_tokenmill(args: argparse.Namespace, workload: Workload) -> tuple[float, 
     return elapsed, generated
 
 
-def run_hf(args: argparse.Namespace, model_path: str, workload: Workload) -> tuple[float, int]:
+def run_hf(
+    args: argparse.Namespace, model_path: str, workload: Workload, device: str, dtype: str
+) -> tuple[float, int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    dtype = torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype)
+    torch_dtype = getattr(torch, dtype)
     if args.load_format == "dummy":
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(model_path), dtype=dtype
-        )
+        config = AutoConfig.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    model.eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+    model.to(device).eval()
     longest = max(len(p) for p in workload.prompts)
     pad = model.config.pad_token_id or 0
     input_ids = torch.full((len(workload.prompts), longest), pad, dtype=torch.long)
@@ -90,10 +93,12 @@ def run_hf(args: argparse.Namespace, model_path: str, workload: Workload) -> tup
     for i, p in enumerate(workload.prompts):  # left padding
         input_ids[i, longest - len(p) :] = torch.tensor(p)
         attention_mask[i, longest - len(p) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     max_new = max(workload.output_lens)
     common = dict(do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
         model.generate(input_ids[:1, -32:], max_new_tokens=4, min_new_tokens=4, **common)
+        _sync(device)
         start = time.perf_counter()
         model.generate(
             input_ids,
@@ -102,8 +107,16 @@ def run_hf(args: argparse.Namespace, model_path: str, workload: Workload) -> tup
             min_new_tokens=max_new,
             **common,
         )
+        _sync(device)
         elapsed = time.perf_counter() - start
     return elapsed, sum(workload.output_lens)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def cpu_name() -> str:
@@ -128,6 +141,7 @@ def main() -> None:
     parser.add_argument("--compare", choices=["hf"], default=None)
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = parser.parse_args()
@@ -135,19 +149,23 @@ def main() -> None:
     import torch
     import transformers
 
-    from tokenmill.protocol.config import resolve_device
+    from tokenmill.protocol.config import EngineArgs, resolve_device
     from tokenmill.protocol.default_model import resolve_model
 
     model_path = resolve_model(args.model)
     vocab = json.load(open(os.path.join(model_path, "config.json")))["vocab_size"]
     workload = make_workload(args.workload, vocab)
-    device = resolve_device("auto")
+    device = resolve_device(args.device)
+    # The dtype tokenmill resolves for this device ("auto": fp32 on CPU, bf16 on CUDA) is the
+    # one HF runs in too.
+    engine = EngineArgs(model=model_path, dtype=args.dtype, device=device)
+    dtype = engine.create_engine_config().model_config.dtype
     print(
         f"workload {args.workload}: {len(workload.prompts)} requests, "
         f"{sum(map(len, workload.prompts))} prompt tokens, "
         f"{sum(workload.output_lens)} output tokens"
     )
-    print(f"model {model_path} (load_format={args.load_format}, dtype={args.dtype})")
+    print(f"model {model_path} (load_format={args.load_format}, dtype={dtype})")
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"device {device}: {torch.cuda.get_device_name() if device == 'cuda' else cpu_name()}, "
@@ -158,7 +176,7 @@ def main() -> None:
     elapsed, tokens = run_tokenmill(args, workload)
     rows.append(("tokenmill", elapsed, tokens))
     if args.compare == "hf":
-        elapsed, tokens = run_hf(args, model_path, workload)
+        elapsed, tokens = run_hf(args, model_path, workload, device, dtype)
         rows.append(("hf transformers", elapsed, tokens))
 
     base = rows[-1][2] / rows[-1][1] if args.compare else None

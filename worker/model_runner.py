@@ -20,7 +20,7 @@ from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.model_loader import get_model
-from tokenmill.worker.sampler import Sampler
+from tokenmill.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,10 @@ class ModelRunner:
         self.device = device
         self.dtype = getattr(torch, config.model_config.dtype)
         self.block_size = config.cache_config.block_size
-        self.attn_backend = TorchAttentionBackend()
+        max_seqs = config.scheduler_config.max_num_seqs
+        self.attn_backend = (
+            TorchAttentionBackend(max_seqs) if device.type == "cuda" else TorchAttentionBackend()
+        )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
@@ -79,6 +82,35 @@ class ModelRunner:
         index = torch.from_numpy(ids).to(self.device)
         for cache in self.kv_caches:
             cache.index_fill_(0, index, 0.0)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Runs the largest step the scheduler may send (a full token budget of prefill, then
+        logits and sampling for max_num_seqs rows) before the KV cache exists, so that the
+        device's peak memory includes activations. The attention layers skip their cache
+        writes while they hold no cache."""
+        assert self.model is not None
+        sched = self.config.scheduler_config
+        num_tokens = sched.max_num_batched_tokens
+        positions = np.arange(num_tokens) % self.config.model_config.max_position_embeddings
+        inputs = StepAttentionInputs(
+            num_decodes=0,
+            query_lens=np.array([num_tokens]),
+            seq_lens=np.array([num_tokens]),
+            block_table=np.zeros((1, 1), dtype=np.int64),
+            slot_mapping=np.zeros(num_tokens, dtype=np.int64),
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        with set_forward_context(self.attn_backend.build_metadata(inputs)):
+            hidden = self.model(
+                torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                torch.from_numpy(positions).to(self.device),
+            )
+        rows = min(sched.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        self.sampler(logits, _profile_sampling_metadata(rows, self.device))
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -139,3 +171,16 @@ class ModelRunner:
             for i, token in zip(np.flatnonzero(done).tolist(), tokens.tolist()):
                 sampled_ids[i] = [token]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids)
+
+
+def _profile_sampling_metadata(rows: int, device: torch.device) -> SamplingMetadata:
+    # Top-k and top-p on every row: the sampler's most memory-hungry path.
+    return SamplingMetadata(
+        temperature=torch.ones(rows, device=device),
+        all_greedy=False,
+        top_k=torch.full((rows,), 50, dtype=torch.long, device=device),
+        top_p=torch.full((rows,), 0.9, device=device),
+        min_p=None,
+        generators={},
+        banned_token_ids={},
+    )

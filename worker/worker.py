@@ -48,20 +48,35 @@ class Worker:
         """Bytes this rank can give to its KV cache.
 
         CPU: `kv_cache_memory_bytes`, else TOKENMILL_CPU_KV_FRACTION (default 0.25) of the
-        RAM psutil reports available. CUDA: `kv_cache_memory_bytes`, else
-        `total * gpu_memory_utilization` minus what is in use after loading the weights,
-        less a tenth kept for activations.
+        RAM psutil reports available. CUDA: `kv_cache_memory_bytes`, else profile the largest
+        step and take `total * gpu_memory_utilization` minus the peak torch allocation
+        (weights + activations) and minus memory held outside torch (the CUDA context, other
+        processes).
         """
         cache = self.config.cache_config
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
         if self.device.type == "cpu":
             return int(psutil.virtual_memory().available * envs.TOKENMILL_CPU_KV_FRACTION)
-        # Weights are loaded by now; activations are not profiled yet, so a tenth of what is
-        # left stays free for them.
+        assert self.model_runner is not None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model_runner.profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * cache.gpu_memory_utilization) - (total - free)
-        return max(int(budget * 0.9), 0)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        available = int(total * cache.gpu_memory_utilization) - peak - outside_torch
+        logger.info(
+            "GPU memory: total %.2f GiB, peak torch use %.2f GiB, outside torch %.2f GiB, "
+            "%.2f GiB left for the KV cache",
+            total / 2**30,
+            peak / 2**30,
+            outside_torch / 2**30,
+            available / 2**30,
+        )
+        return max(available, 0)
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         assert self.model_runner is not None

@@ -105,6 +105,7 @@ def test_random_model_greedy_matches_hf(tiny_model, name: str) -> None:
     # A small chunk budget and few blocks per step exercise chunked prefill and block growth.
     llm = LLM(
         str(path),
+        dtype="float32",  # also on a GPU, where "auto" would pick bf16
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=16 << 20,
         max_num_batched_tokens=128,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.reference import paged_attention, write_kv_cache
 from tokenmill.worker.attention.base import StepAttentionInputs
-from tokenmill.worker.attention.torch_backend import DECODE_GROUP_SIZE, TorchAttentionBackend
+from tokenmill.worker.attention.torch_backend import CPU_DECODE_GROUP_SIZE, TorchAttentionBackend
 
 
 def make_batch(query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size, seed=0):
@@ -55,7 +55,7 @@ def test_torch_backend_matches_reference(heads: int, kv_heads: int) -> None:
     block_size, head_size, num_blocks = 4, 16, 200
     # Decodes first (more than one group, with ragged contexts), then prefill chunks with and
     # without earlier context.
-    num_decodes = DECODE_GROUP_SIZE + 3
+    num_decodes = CPU_DECODE_GROUP_SIZE + 3
     rng = np.random.default_rng(0)
     query_lens = [1] * num_decodes + [7, 5, 1 + 2]
     seq_lens = list(rng.integers(1, 40, num_decodes)) + [7, 23, 12]

@@ -21,6 +21,7 @@ TEXTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip_special", [True, False])
 def test_incremental_detokenizer_equals_full_decode(smollm2_path: str, skip_special: bool) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
@@ -39,6 +40,7 @@ def test_incremental_detokenizer_equals_full_decode(smollm2_path: str, skip_spec
         assert "".join(pieces) == detok.output_text == full
 
 
+@pytest.mark.slow
 def test_default_model_aliases_resolve_to_one_folder(smollm2_path: str) -> None:
     for name in (None, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         assert resolve_model(name) == smollm2_path
@@ -51,6 +53,7 @@ def test_unknown_model_is_a_clear_error(tmp_path) -> None:
         resolve_model(str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -74,6 +77,7 @@ def test_llm_rejects_unknown_arguments() -> None:
         LLM(no_such_arg=1)
 
 
+@pytest.mark.slow
 def test_engine_config_defaults(smollm2_path: str) -> None:
     config = EngineArgs(model=smollm2_path, device="cpu").create_engine_config()
     assert config.model_config.dtype == "float32"  # CPU default

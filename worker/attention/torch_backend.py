@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 
-# Decodes per SDPA call: groups of requests with similar context length keep the padding
-# (up to the longest context in the group) small while the number of calls stays low.
-DECODE_GROUP_SIZE = 16
+# Decodes per SDPA call on the CPU: groups of requests with similar context length keep the
+# padding (up to the longest context in the group) small while the number of calls stays
+# low. On a GPU padding is cheap and every call costs launches, so all decodes go in one.
+CPU_DECODE_GROUP_SIZE = 16
 
 
 @dataclass
@@ -49,6 +50,9 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, decode_group_size: int = CPU_DECODE_GROUP_SIZE) -> None:
+        self.decode_group_size = decode_group_size
+
     def build_metadata(self, inputs: StepAttentionInputs) -> TorchAttentionMetadata:
         bs, device = inputs.block_size, inputs.device
         slots = inputs.slot_mapping.astype(np.int64)
@@ -59,8 +63,8 @@ class TorchAttentionBackend(AttentionBackend):
         nd = inputs.num_decodes
         order = np.argsort(inputs.seq_lens[:nd], kind="stable")
         groups = []
-        for first in range(0, nd, DECODE_GROUP_SIZE):
-            members = order[first : first + DECODE_GROUP_SIZE]
+        for first in range(0, nd, self.decode_group_size):
+            members = order[first : first + self.decode_group_size]
             seq_lens = inputs.seq_lens[members]
             max_blocks = -(-int(seq_lens.max()) // bs)
             block_ids = inputs.block_table[members, :max_blocks].astype(np.int64)
@@ -100,11 +104,13 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
-        flat = kv_cache.view(-1, num_kv_heads, head_size)
-        flat.index_copy_(0, metadata.write_k_idx, key)
-        flat.index_copy_(0, metadata.write_v_idx, value)
-        key_blocks, value_blocks = kv_cache[:, 0], kv_cache[:, 1]  # [blocks, bs, kvh, d]
+        num_kv_heads, head_size = key.shape[-2], key.shape[-1]
+        # The memory-profiling run comes before the cache exists: it has no context to read.
+        if kv_cache.numel():
+            flat = kv_cache.view(-1, num_kv_heads, head_size)
+            flat.index_copy_(0, metadata.write_k_idx, key)
+            flat.index_copy_(0, metadata.write_v_idx, value)
+            key_blocks, value_blocks = kv_cache[:, 0], kv_cache[:, 1]  # [blocks, bs, kvh, d]
         out = torch.empty_like(query)
         group_size = query.shape[1] // num_kv_heads
         for group in metadata.decode_groups:

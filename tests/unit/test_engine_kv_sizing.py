@@ -1,0 +1,73 @@
+"""KV sizing through a real engine on a small random model: auto-fitted max_model_len, the
+clear error when memory is short, and the stats the engine reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+# The tiny models: 2 layers, 2 KV heads of 16 dims (hidden 64 / 4 heads), fp32.
+BYTES_PER_BLOCK = 2 * (2 * 16 * 2 * 16 * 4)  # layers * (K and V * block * heads * dim * 4 B)
+
+
+def test_max_model_len_auto_fits_the_cache(tiny_model) -> None:
+    blocks = 40
+    llm = LLM(
+        str(tiny_model("llama-gqa")),
+        skip_tokenizer_init=True,
+        max_model_len=-1,
+        kv_cache_memory_bytes=blocks * BYTES_PER_BLOCK,
+    )
+    try:
+        stats = llm.get_stats()
+        assert stats["num_blocks"] == blocks
+        assert stats["max_model_len"] == (blocks - 1) * 16  # the null block holds nothing
+        # The fitted limit is what the frontend enforces.
+        with pytest.raises(ValueError, match="max_model_len=624"):
+            llm.generate({"prompt_token_ids": [5] * 625}, use_tqdm=False)
+        out = llm.generate(
+            {"prompt_token_ids": [5] * 600},
+            SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+            use_tqdm=False,
+        )
+        # Generation stops at the fitted max_model_len.
+        assert len(out[0].outputs[0].token_ids) == 24
+        assert out[0].outputs[0].finish_reason == "length"
+    finally:
+        llm.shutdown()
+
+
+def test_too_little_kv_memory_is_a_clear_error(tiny_model) -> None:
+    with pytest.raises(ValueError, match=r"needs \d+ bytes .* only 5000 bytes .* available"):
+        LLM(
+            str(tiny_model("llama-gqa")),
+            skip_tokenizer_init=True,
+            max_model_len=512,
+            kv_cache_memory_bytes=5000,
+        )
+
+
+def test_stats_count_preemptions_and_prefix_hits(tiny_model) -> None:
+    llm = LLM(
+        str(tiny_model("llama-gqa")),
+        skip_tokenizer_init=True,
+        max_model_len=96,
+        num_gpu_blocks_override=8,  # 7 usable blocks of 16 tokens
+    )
+    try:
+        shared = list(range(10, 58))  # three full blocks
+        prompts = [{"prompt_token_ids": shared + [100 + i, 200 + i]} for i in range(4)]
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.get_stats()
+        assert stats["num_preemptions"] > 0
+        assert stats["prefix_cache_hits"] >= 3 * 48
+        assert stats["prefix_cache_queries"] >= 4 * 50
+        assert stats["num_running"] == stats["num_waiting"] == 0
+        assert stats["kv_cache_usage"] == 0.0
+        assert llm.reset_prefix_cache()
+        out = llm.generate(prompts[0], params, use_tqdm=False)
+        assert out[0].num_cached_tokens == 0
+    finally:
+        llm.shutdown()
