@@ -120,8 +120,14 @@ class ModelRunner:
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
-        # Decodes (one new token) first, then prefill chunks, each group in schedule order.
-        req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        # Decodes (one new token) first, by context length so that the attention backend's
+        # decode groups pad little; then prefill chunks in schedule order.
+        scheduled = out.num_scheduled_tokens
+        row_of, computed = batch.row_of, batch.num_computed_tokens
+        req_ids = sorted(
+            scheduled,
+            key=lambda r: (scheduled[r] != 1, computed[row_of[r]] if scheduled[r] == 1 else 0),
+        )
         rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         query_lens = np.fromiter(
             (out.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)

@@ -1,9 +1,10 @@
 """The pure-torch attention backend: the CPU path, and the reference for faster ones.
 
 New K/V are written into the layer's cache through flat slot indices. Decodes are batched in
-groups of similar context length: each group gathers its requests' blocks (whole blocks, one
-`index_select` for K and one for V, padded with the zeroed null block) and runs one SDPA call
-in which the query heads that share a KV head play the role of query rows. Prefill chunks run
+consecutive groups (the model runner orders them by context length, so a group's lengths are
+close): one `index_select` for K and one for V gather every group's blocks (whole blocks,
+padded with the null block), then each group runs one SDPA call in which the query heads
+that share a KV head play the role of query rows. Prefill chunks run
 one request at a time; a chunk with no earlier context attends to its own K/V directly.
 The model runner guarantees that every block it hands us was zeroed before first use, so
 padded reads never meet uninitialised memory.
@@ -27,10 +28,11 @@ CPU_DECODE_GROUP_SIZE = 16
 
 @dataclass
 class DecodeGroup:
-    token_idx: torch.Tensor  # [g] rows of the flattened batch (decode i is token i)
-    block_ids: torch.Tensor  # [g * max_blocks] each request's blocks, null-padded
-    num_blocks: int  # max_blocks: blocks per request in this group
-    mask: torch.Tensor  # [g, 1, 1, max_blocks * block_size] additive: 0 attended, -inf not
+    start: int  # first decode (= token) of the group in the flattened batch
+    size: int
+    num_blocks: int  # blocks per request in this group (its longest context, rounded up)
+    block_offset: int  # where the group's blocks start in the step's gathered blocks
+    mask: torch.Tensor  # [size, 1, 1, num_blocks * block_size]: 0 attended, -inf padding
 
 
 @dataclass
@@ -45,6 +47,7 @@ class PrefillSpan:
 class TorchAttentionMetadata:
     write_k_idx: torch.Tensor  # [T] rows of the flat cache view that take the new keys
     write_v_idx: torch.Tensor
+    decode_block_ids: torch.Tensor | None  # every group's blocks, back to back
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
@@ -61,25 +64,24 @@ class TorchAttentionBackend(AttentionBackend):
         write_k = torch.from_numpy((slots // bs) * (2 * bs) + slots % bs).to(device)
 
         nd = inputs.num_decodes
-        order = np.argsort(inputs.seq_lens[:nd], kind="stable")
-        groups = []
+        groups, group_blocks = [], []
+        offset = 0
         for first in range(0, nd, self.decode_group_size):
-            members = order[first : first + self.decode_group_size]
-            seq_lens = inputs.seq_lens[members]
+            size = min(self.decode_group_size, nd - first)
+            seq_lens = inputs.seq_lens[first : first + size]
             max_blocks = -(-int(seq_lens.max()) // bs)
-            block_ids = inputs.block_table[members, :max_blocks].astype(np.int64)
+            group_blocks.append(inputs.block_table[first : first + size, :max_blocks].reshape(-1))
             valid = np.arange(max_blocks * bs)[None, :] < seq_lens[:, None]
             # Additive float mask built once per step (SDPA would convert a boolean one in
             # every layer).
             mask = np.where(valid, 0.0, -np.inf).astype(np.float32)
-            groups.append(
-                DecodeGroup(
-                    token_idx=torch.from_numpy(members.astype(np.int64)).to(device),
-                    block_ids=torch.from_numpy(block_ids.reshape(-1)).to(device),
-                    num_blocks=max_blocks,
-                    mask=torch.from_numpy(mask).to(device, inputs.dtype)[:, None, None, :],
-                )
-            )
+            mask_t = torch.from_numpy(mask).to(device, inputs.dtype)[:, None, None, :]
+            groups.append(DecodeGroup(first, size, max_blocks, offset, mask_t))
+            offset += size * max_blocks
+        decode_block_ids = None
+        if groups:
+            ids = np.concatenate(group_blocks).astype(np.int64)
+            decode_block_ids = torch.from_numpy(ids).to(device)
 
         prefills = []
         start = nd
@@ -93,7 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
                 ).to(device)
             prefills.append(PrefillSpan(start, start + q_len, seq_len, block_ids))
             start += q_len
-        return TorchAttentionMetadata(write_k, write_k + bs, groups, prefills)
+        return TorchAttentionMetadata(write_k, write_k + bs, decode_block_ids, groups, prefills)
 
     def forward(
         self,
@@ -113,17 +115,19 @@ class TorchAttentionBackend(AttentionBackend):
             key_blocks, value_blocks = kv_cache[:, 0], kv_cache[:, 1]  # [blocks, bs, kvh, d]
         out = torch.empty_like(query)
         group_size = query.shape[1] // num_kv_heads
+        if metadata.decode_groups:
+            # [blocks, bs, kvh, d] copies of every decode's context, group after group.
+            k_all = key_blocks.index_select(0, metadata.decode_block_ids)
+            v_all = value_blocks.index_select(0, metadata.decode_block_ids)
         for group in metadata.decode_groups:
-            g = group.token_idx.shape[0]
-            # [g, kvh, L, d] views over freshly gathered [g * blocks, bs, kvh, d] copies.
-            k = key_blocks.index_select(0, group.block_ids).view(g, -1, num_kv_heads, head_size)
-            v = value_blocks.index_select(0, group.block_ids).view(g, -1, num_kv_heads, head_size)
+            g, first = group.size, group.start
+            rows = slice(group.block_offset, group.block_offset + g * group.num_blocks)
+            k = k_all[rows].view(g, -1, num_kv_heads, head_size).transpose(1, 2)
+            v = v_all[rows].view(g, -1, num_kv_heads, head_size).transpose(1, 2)
             # One query token per request: the heads sharing a KV head act as query rows.
-            q = query.index_select(0, group.token_idx).view(g, num_kv_heads, group_size, head_size)
-            o = F.scaled_dot_product_attention(
-                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale
-            )
-            out.index_copy_(0, group.token_idx, o.reshape(g, -1, head_size))
+            q = query[first : first + g].reshape(g, num_kv_heads, group_size, head_size)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+            out[first : first + g] = o.view(g, -1, head_size)
         for span in metadata.prefills:
             n = span.end - span.start
             q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
