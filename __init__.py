@@ -17,6 +17,7 @@ _PUBLIC = {
     "RequestOutput": "tokenmill.frontend.outputs",
     "CompletionOutput": "tokenmill.frontend.outputs",
     "EngineArgs": "tokenmill.protocol.config",
+    "EngineDeadError": "tokenmill.frontend.core_client",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -114,6 +114,9 @@ class EngineCore:
             "max_model_len": self.config.model_config.max_model_len,
         }
 
+    def check_health(self) -> bool:
+        return True
+
     def reset_prefix_cache(self) -> bool:
         self.scheduler.reset_prefix_cache()
         return True

@@ -1,7 +1,8 @@
 """The user's process: LLM, the engine front (tokenize, detokenize) and engine-core clients."""
 
+from tokenmill.frontend.core_client import EngineDeadError
 from tokenmill.frontend.llm import LLM
 from tokenmill.frontend.outputs import CompletionOutput, RequestOutput
 from tokenmill.protocol.messages import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineDeadError"]

@@ -1,23 +1,58 @@
 """Engine-core clients: how the frontend reaches EngineCore, behind one interface.
 
 `InprocClient` builds the EngineCore in the caller's process and steps it directly (for
-debugging and the torchrun external launcher); the multiprocess clients that talk to a
-separate engine-core process over ZeroMQ implement the same methods.
+debugging and the torchrun external launcher). `SyncMPClient` spawns an engine-core process
+and talks to it over ZeroMQ with msgspec frames: requests go out on a DEALER socket, and a
+background thread receives outputs and utility results. If the core process dies, every
+pending and later call raises `EngineDeadError` instead of hanging.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from typing import Any
 
+import msgspec
+import zmq
+
+from tokenmill.protocol.codec import DecodeError, Decoder, Encoder
 from tokenmill.protocol.config import EngineConfig
-from tokenmill.protocol.messages import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.protocol.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Hello,
+    OutputType,
+    Ready,
+    RequestType,
+    StartupError,
+    UtilityCall,
+    UtilityResult,
+)
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0  # loading a model (and converting the default one) takes a while
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; no request in flight will finish."""
 
 
 class EngineCoreClient(ABC):
     @staticmethod
-    def make_client(config: EngineConfig) -> EngineCoreClient:
-        return InprocClient(config)
+    def make_client(config: EngineConfig, multiprocess: bool = False) -> EngineCoreClient:
+        return SyncMPClient(config) if multiprocess else InprocClient(config)
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -68,3 +103,170 @@ class InprocClient(EngineCoreClient):
         if self.engine_core is not None:
             self.engine_core.shutdown()
             self.engine_core = None
+
+
+class SyncMPClient(EngineCoreClient):
+    """Spawns EngineCoreProc and shuts it down on shutdown(), garbage collection or exit."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self.ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")  # private: mode 0700
+        input_address = f"ipc://{self.ipc_dir}/input"
+        output_address = f"ipc://{self.ipc_dir}/output"
+        # A fresh interpreter running the core's module: unlike multiprocessing's spawn it
+        # never re-imports the caller's __main__. The config goes over stdin as JSON.
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tokenmill.core.engine_core_proc",
+                f"--input-address={input_address}",
+                f"--output-address={output_address}",
+                f"--parent-pid={os.getpid()}",
+            ],
+            stdin=subprocess.PIPE,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(msgspec.json.encode(config))
+        self.proc.stdin.close()
+        self.ctx = zmq.Context()
+        identity = os.urandom(8)
+        self.input_socket = self.ctx.socket(zmq.DEALER)
+        self.output_socket = self.ctx.socket(zmq.DEALER)
+        for socket, address in (
+            (self.input_socket, input_address),
+            (self.output_socket, output_address),
+        ):
+            socket.setsockopt(zmq.IDENTITY, identity)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+        self.encoder = Encoder()
+        self.outputs: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
+        self.utility_results: dict[int, queue.Queue[UtilityResult | BaseException]] = {}
+        self.call_ids = itertools.count()
+        self.dead: str | None = None
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.ctx, self.ipc_dir)
+        self.ready = self._handshake()
+        threading.Thread(target=self._output_loop, daemon=True, name="mp-client-output").start()
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self._config.with_max_model_len(self.ready.max_model_len)
+
+    def _handshake(self) -> Ready:
+        self._send(RequestType.HELLO, Hello(PROTOCOL_VERSION))
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        waited = 0.0
+        while waited < STARTUP_TIMEOUT_S:
+            if poller.poll(100):
+                kind, *frames = self.output_socket.recv_multipart(copy=False)
+                if kind.bytes == OutputType.READY:
+                    return Decoder(Ready).decode([f.buffer for f in frames])
+                if kind.bytes == OutputType.STARTUP_ERROR:
+                    error = Decoder(StartupError).decode([f.buffer for f in frames])
+                    self.shutdown()
+                    raise RuntimeError(f"engine core failed to start: {error.message}")
+            elif self.proc.poll() is not None:
+                self.shutdown()
+                raise RuntimeError(
+                    f"engine core process exited during start-up (exit code {self.proc.returncode})"
+                )
+            waited += 0.1
+        self.shutdown()
+        raise TimeoutError(f"engine core did not answer within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def _output_loop(self) -> None:
+        decoders = {
+            OutputType.OUTPUTS: Decoder(EngineCoreOutputs),
+            OutputType.UTILITY_RESULT: Decoder(UtilityResult),
+        }
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        while self.dead is None:
+            try:
+                ready = poller.poll(200)
+            except zmq.ZMQError:
+                return  # closed by shutdown()
+            if not ready:
+                if self.proc.poll() is not None:
+                    self._die(f"engine core process died (exit code {self.proc.returncode})")
+                continue
+            try:
+                kind, *frames = self.output_socket.recv_multipart(copy=False)
+                decoder = decoders.get(kind.bytes)
+                if decoder is None:
+                    continue
+                message = decoder.decode([f.buffer for f in frames])
+            except (zmq.ZMQError, DecodeError, ValueError) as e:
+                logger.warning("dropped a message from the engine core: %s", e)
+                continue
+            if isinstance(message, UtilityResult):
+                waiter = self.utility_results.get(message.call_id)
+                if waiter is not None:
+                    waiter.put(message)
+            else:
+                self.outputs.put(message)
+
+    def _die(self, reason: str) -> None:
+        self.dead = reason
+        error = EngineDeadError(reason)
+        self.outputs.put(error)
+        for waiter in list(self.utility_results.values()):
+            waiter.put(error)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    def _send(self, kind: bytes, payload: Any) -> None:
+        self.input_socket.send_multipart([kind, *self.encoder.encode(payload)], copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        self._send(RequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if self.dead is None and request_ids:
+            self._send(RequestType.ABORT, list(request_ids))
+
+    def get_output(self) -> EngineCoreOutputs:
+        self._check_alive()
+        result = self.outputs.get()
+        if isinstance(result, BaseException):
+            self.outputs.put(result)  # every later call fails the same way
+            raise result
+        return result
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        self._check_alive()
+        call_id = next(self.call_ids)
+        waiter: queue.Queue[UtilityResult | BaseException] = queue.Queue()
+        self.utility_results[call_id] = waiter
+        try:
+            self._send(RequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+            result = waiter.get()
+        finally:
+            del self.utility_results[call_id]
+        if isinstance(result, BaseException):
+            raise result
+        if result.error is not None:
+            raise RuntimeError(f"{method} failed in the engine core: {result.error}")
+        return result.result
+
+    def shutdown(self) -> None:
+        if self.dead is None:
+            self.dead = "the client was shut down"
+        self._finalizer()
+
+
+def _shutdown(proc: subprocess.Popen, ctx: zmq.Context, ipc_dir: str) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    ctx.destroy(linger=0)
+    shutil.rmtree(ipc_dir, ignore_errors=True)

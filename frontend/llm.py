@@ -1,6 +1,7 @@
 """`LLM`: the offline entry point, with vLLM's constructor arguments and methods.
 
-`LLM(model, **engine_args)` builds the engine (the core runs in-process for now);
+`LLM(model, **engine_args)` builds the engine: EngineCore in this process, or with
+`multiprocess=True` (or TOKENMILL_MULTIPROC=1) in a spawned engine-core process;
 `generate(prompts, sampling_params)` submits everything, steps the engine until every
 request is finished, and returns RequestOutputs in prompt order; `chat(messages, ...)`
 applies the model's chat template first.
@@ -18,6 +19,7 @@ from tqdm.auto import tqdm
 from tokenmill.frontend.input_processor import PromptType
 from tokenmill.frontend.llm_engine import LLMEngine
 from tokenmill.frontend.outputs import RequestOutput
+from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs
 from tokenmill.protocol.messages import SamplingParams
 
@@ -27,13 +29,17 @@ ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, multiprocess: bool | None = None, **kwargs: Any
+    ) -> None:
         known = EngineArgs.field_names()
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(known)}")
+        if multiprocess is None:
+            multiprocess = envs.TOKENMILL_MULTIPROC
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

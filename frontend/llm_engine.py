@@ -27,8 +27,8 @@ def load_tokenizer(path: str) -> Any:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.client = EngineCoreClient.make_client(config)
+    def __init__(self, config: EngineConfig, multiprocess: bool = False) -> None:
+        self.client = EngineCoreClient.make_client(config, multiprocess)
         self.config = self.client.engine_config
         model_config = self.config.model_config
         self.tokenizer = (
@@ -38,8 +38,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args.create_engine_config())
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
+        return cls(args.create_engine_config(), multiprocess)
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0

@@ -116,3 +116,58 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+
+
+# ---------------------------------------------------------------- engine-core process wire
+PROTOCOL_VERSION = 1
+
+
+class RequestType:
+    """First frame of a client -> core message (after the router's identity frame)."""
+
+    HELLO = b"H"
+    ADD = b"A"
+    ABORT = b"X"
+    UTILITY = b"U"
+
+
+class OutputType:
+    """First frame of a core -> client message."""
+
+    READY = b"R"
+    STARTUP_ERROR = b"E"
+    OUTPUTS = b"O"
+    UTILITY_RESULT = b"U"
+
+
+class Hello(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    protocol_version: int
+    auth_token: str = ""
+
+
+class Ready(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """The core's answer to a hello: what the client needs to build its frontend."""
+
+    protocol_version: int
+    model: str
+    tokenizer: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+
+
+class StartupError(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    message: str
+
+
+class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    call_id: int
+    method: str
+    args: list = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    call_id: int
+    result: Union[int, float, str, bool, dict, list, None] = None
+    error: Optional[str] = None
