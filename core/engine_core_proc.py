@@ -168,12 +168,16 @@ class EngineCoreProc:
         if identity not in self.clients or self.core is None:
             logger.warning("dropped a %r message from a client without a handshake", kind)
             return
+        # Request ids are the clients' own: inside the core they are prefixed with the
+        # client's identity, so that two clients may use the same id.
         if kind == RequestType.ADD:
+            payload.request_id = _scoped(identity, payload.request_id)
             self.request_owner[payload.request_id] = identity
             self.core.add_request(payload)
         elif kind == RequestType.ABORT:
-            self.core.abort_requests(payload)
-            for req_id in payload:
+            scoped = [_scoped(identity, req_id) for req_id in payload]
+            self.core.abort_requests(scoped)
+            for req_id in scoped:
                 self.request_owner.pop(req_id, None)
         elif kind == RequestType.UTILITY:
             self._send(identity, OutputType.UTILITY_RESULT, self._utility(payload))
@@ -194,20 +198,8 @@ class EngineCoreProc:
             return
         assert self.core is not None
         self.clients.add(identity)
-        config = self.core.config
-        self._send(
-            identity,
-            OutputType.READY,
-            Ready(
-                protocol_version=PROTOCOL_VERSION,
-                model=config.model_config.model,
-                tokenizer=config.model_config.tokenizer,
-                max_model_len=config.model_config.max_model_len,
-                vocab_size=config.model_config.vocab_size,
-                num_blocks=self.core.kv_sizing.num_blocks,
-                block_size=self.core.kv_sizing.block_size,
-            ),
-        )
+        ready = Ready(PROTOCOL_VERSION, self.core.config, self.core.kv_sizing.num_blocks)
+        self._send(identity, OutputType.READY, ready)
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         if call.method not in UTILITIES:
@@ -224,11 +216,19 @@ class EngineCoreProc:
             owner = self.request_owner.get(out.request_id)
             if owner is None:
                 continue
-            per_client.setdefault(owner, []).append(out)
             if out.finished:
                 del self.request_owner[out.request_id]
+            out.request_id = out.request_id[_SCOPE_LEN:]
+            per_client.setdefault(owner, []).append(out)
         for identity, outs in per_client.items():
             self._send(identity, OutputType.OUTPUTS, EngineCoreOutputs(outs, outputs.timestamp))
+
+
+_SCOPE_LEN = 17  # 16 hex digits of the client's 8-byte identity, then "/"
+
+
+def _scoped(identity: bytes, request_id: str) -> str:
+    return f"{identity.hex():0>16.16}/{request_id}"
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -39,10 +39,12 @@ from tokenmill.protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
+from tokenmill.protocol.sockets import split_address
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0  # loading a model (and converting the default one) takes a while
+CONNECT_TIMEOUT_S = 30.0  # a running daemon answers a hello at once
 
 
 class EngineDeadError(RuntimeError):
@@ -51,7 +53,15 @@ class EngineDeadError(RuntimeError):
 
 class EngineCoreClient(ABC):
     @staticmethod
-    def make_client(config: EngineConfig, multiprocess: bool = False) -> EngineCoreClient:
+    def make_client(
+        config: EngineConfig | None,
+        multiprocess: bool = True,
+        engine_address: str | None = None,
+        auth_token: str = "",
+    ) -> EngineCoreClient:
+        if engine_address is not None:
+            return SyncMPClient(None, engine_address, auth_token)
+        assert config is not None
         return SyncMPClient(config) if multiprocess else InprocClient(config)
 
     @abstractmethod
@@ -106,29 +116,31 @@ class InprocClient(EngineCoreClient):
 
 
 class SyncMPClient(EngineCoreClient):
-    """Spawns EngineCoreProc and shuts it down on shutdown(), garbage collection or exit."""
+    """Talks to an engine core in another process over ZeroMQ.
 
-    def __init__(self, config: EngineConfig) -> None:
-        self._config = config
-        self.ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")  # private: mode 0700
-        input_address = f"ipc://{self.ipc_dir}/input"
-        output_address = f"ipc://{self.ipc_dir}/output"
-        # A fresh interpreter running the core's module: unlike multiprocessing's spawn it
-        # never re-imports the caller's __main__. The config goes over stdin as JSON.
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenmill.core.engine_core_proc",
-                f"--input-address={input_address}",
-                f"--output-address={output_address}",
-                f"--parent-pid={os.getpid()}",
-            ],
-            stdin=subprocess.PIPE,
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(msgspec.json.encode(config))
-        self.proc.stdin.close()
+    Without `engine_address` it spawns the core itself and stops it on shutdown(), garbage
+    collection or interpreter exit; with one it connects to a running `engine-core` daemon
+    (and leaves it running)."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None,
+        engine_address: str | None = None,
+        auth_token: str = "",
+    ) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.ipc_dir: str | None = None
+        if engine_address is None:
+            assert config is not None, "a spawned engine core needs a config"
+            self.ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")  # private: mode 0700
+            input_address = f"ipc://{self.ipc_dir}/input"
+            output_address = f"ipc://{self.ipc_dir}/output"
+            self.proc = _spawn_core(config, input_address, output_address)
+            timeout = STARTUP_TIMEOUT_S
+        else:
+            input_address, output_address = split_address(engine_address)
+            timeout = CONNECT_TIMEOUT_S
+        self.address = engine_address or input_address
         self.ctx = zmq.Context()
         identity = os.urandom(8)
         self.input_socket = self.ctx.socket(zmq.DEALER)
@@ -140,25 +152,27 @@ class SyncMPClient(EngineCoreClient):
             socket.setsockopt(zmq.IDENTITY, identity)
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
+        # A daemon has no process handle to watch: a dropped connection is how it dies.
+        self.monitor = self.output_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.encoder = Encoder()
         self.outputs: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
         self.utility_results: dict[int, queue.Queue[UtilityResult | BaseException]] = {}
         self.call_ids = itertools.count()
         self.dead: str | None = None
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.ctx, self.ipc_dir)
-        self.ready = self._handshake()
+        self.ready = self._handshake(auth_token, timeout)
         threading.Thread(target=self._output_loop, daemon=True, name="mp-client-output").start()
 
     @property
     def engine_config(self) -> EngineConfig:
-        return self._config.with_max_model_len(self.ready.max_model_len)
+        return self.ready.config
 
-    def _handshake(self) -> Ready:
-        self._send(RequestType.HELLO, Hello(PROTOCOL_VERSION))
+    def _handshake(self, auth_token: str, timeout: float) -> Ready:
+        self._send(RequestType.HELLO, Hello(PROTOCOL_VERSION, auth_token))
         poller = zmq.Poller()
         poller.register(self.output_socket, zmq.POLLIN)
         waited = 0.0
-        while waited < STARTUP_TIMEOUT_S:
+        while waited < timeout:
             if poller.poll(100):
                 kind, *frames = self.output_socket.recv_multipart(copy=False)
                 if kind.bytes == OutputType.READY:
@@ -167,14 +181,14 @@ class SyncMPClient(EngineCoreClient):
                     error = Decoder(StartupError).decode([f.buffer for f in frames])
                     self.shutdown()
                     raise RuntimeError(f"engine core failed to start: {error.message}")
-            elif self.proc.poll() is not None:
+            elif self.proc is not None and self.proc.poll() is not None:
                 self.shutdown()
                 raise RuntimeError(
                     f"engine core process exited during start-up (exit code {self.proc.returncode})"
                 )
             waited += 0.1
         self.shutdown()
-        raise TimeoutError(f"engine core did not answer within {STARTUP_TIMEOUT_S:.0f} s")
+        raise TimeoutError(f"engine core at {self.address} did not answer within {timeout:.0f} s")
 
     def _output_loop(self) -> None:
         decoders = {
@@ -183,13 +197,17 @@ class SyncMPClient(EngineCoreClient):
         }
         poller = zmq.Poller()
         poller.register(self.output_socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while self.dead is None:
             try:
-                ready = poller.poll(200)
+                ready = dict(poller.poll(200))
             except zmq.ZMQError:
                 return  # closed by shutdown()
+            if self.monitor in ready:
+                self._die(f"lost the connection to the engine core at {self.address}")
+                return
             if not ready:
-                if self.proc.poll() is not None:
+                if self.proc is not None and self.proc.poll() is not None:
                     self._die(f"engine core process died (exit code {self.proc.returncode})")
                 continue
             try:
@@ -260,8 +278,28 @@ class SyncMPClient(EngineCoreClient):
         self._finalizer()
 
 
-def _shutdown(proc: subprocess.Popen, ctx: zmq.Context, ipc_dir: str) -> None:
-    if proc.poll() is None:
+def _spawn_core(config: EngineConfig, input_address: str, output_address: str) -> subprocess.Popen:
+    # A fresh interpreter running the core's module: unlike multiprocessing's spawn it never
+    # re-imports the caller's __main__. The config goes over stdin as JSON.
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.core.engine_core_proc",
+            f"--input-address={input_address}",
+            f"--output-address={output_address}",
+            f"--parent-pid={os.getpid()}",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(msgspec.json.encode(config))
+    proc.stdin.close()
+    return proc
+
+
+def _shutdown(proc: subprocess.Popen | None, ctx: zmq.Context, ipc_dir: str | None) -> None:
+    if proc is not None and proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(5)
@@ -269,4 +307,5 @@ def _shutdown(proc: subprocess.Popen, ctx: zmq.Context, ipc_dir: str) -> None:
             proc.kill()
             proc.wait(5)
     ctx.destroy(linger=0)
-    shutil.rmtree(ipc_dir, ignore_errors=True)
+    if ipc_dir is not None:
+        shutil.rmtree(ipc_dir, ignore_errors=True)

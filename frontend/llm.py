@@ -1,7 +1,8 @@
 """`LLM`: the offline entry point, with vLLM's constructor arguments and methods.
 
-`LLM(model, **engine_args)` builds the engine: EngineCore in this process, or with
-`multiprocess=True` (or TOKENMILL_MULTIPROC=1) in a spawned engine-core process;
+`LLM(model, **engine_args)` builds the engine: by default EngineCore runs in a spawned
+engine-core process (`multiprocess=False` or TOKENMILL_MULTIPROC=0: in this process), or
+`LLM(engine_address=...)` connects to a running `engine-core` daemon;
 `generate(prompts, sampling_params)` submits everything, steps the engine until every
 request is finished, and returns RequestOutputs in prompt order; `chat(messages, ...)`
 applies the model's chat template first.
@@ -30,7 +31,12 @@ ChatMessages = list[dict[str, Any]]
 
 class LLM:
     def __init__(
-        self, model: str | None = None, multiprocess: bool | None = None, **kwargs: Any
+        self,
+        model: str | None = None,
+        multiprocess: bool | None = None,
+        engine_address: str | None = None,
+        auth_token: str | None = None,
+        **kwargs: Any,
     ) -> None:
         known = EngineArgs.field_names()
         unknown = sorted(set(kwargs) - known)
@@ -38,8 +44,17 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(known)}")
         if multiprocess is None:
             multiprocess = envs.TOKENMILL_MULTIPROC
-        self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess)
+        token = auth_token if auth_token is not None else envs.TOKENMILL_AUTH_TOKEN
+        if engine_address is not None:
+            if kwargs:
+                raise TypeError(
+                    f"engine arguments {sorted(kwargs)} belong to the engine-core daemon at "
+                    f"{engine_address}, not to a client that connects to it"
+                )
+            self.llm_engine = LLMEngine(None, True, engine_address, token)
+        else:
+            self.engine_args = EngineArgs(model=model, **kwargs)
+            self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

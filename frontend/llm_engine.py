@@ -27,8 +27,16 @@ def load_tokenizer(path: str) -> Any:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, multiprocess: bool = False) -> None:
-        self.client = EngineCoreClient.make_client(config, multiprocess)
+    def __init__(
+        self,
+        config: EngineConfig | None,
+        multiprocess: bool = True,
+        engine_address: str | None = None,
+        auth_token: str = "",
+    ) -> None:
+        """`config` builds the core (in this process or a spawned one); with
+        `engine_address` the core is a running daemon and its handshake gives the config."""
+        self.client = EngineCoreClient.make_client(config, multiprocess, engine_address, auth_token)
         self.config = self.client.engine_config
         model_config = self.config.model_config
         self.tokenizer = (
@@ -38,7 +46,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = True) -> LLMEngine:
         return cls(args.create_engine_config(), multiprocess)
 
     def add_request(

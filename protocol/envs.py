@@ -35,8 +35,10 @@ def _cache_dir() -> Path:
 _REGISTRY: dict[str, Callable[[], Any]] = {
     # Where converted models live (the default model is converted here once).
     "TOKENMILL_CACHE": _cache_dir,
-    # 0 runs EngineCore in the caller's process (InprocClient).
-    "TOKENMILL_MULTIPROC": _bool("TOKENMILL_MULTIPROC", False),
+    # 0 runs EngineCore in the caller's process (InprocClient) instead of a spawned one.
+    "TOKENMILL_MULTIPROC": _bool("TOKENMILL_MULTIPROC", True),
+    # The token a client presents to (and a daemon demands from) tcp peers.
+    "TOKENMILL_AUTH_TOKEN": lambda: os.environ.get("TOKENMILL_AUTH_TOKEN", ""),
     # Fraction of available RAM given to the KV cache on the CPU when no explicit
     # kv_cache_memory_bytes is set.
     "TOKENMILL_CPU_KV_FRACTION": _float("TOKENMILL_CPU_KV_FRACTION", 0.25),

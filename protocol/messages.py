@@ -12,6 +12,8 @@ from typing import Optional, Union
 
 import msgspec
 
+from tokenmill.protocol.config import EngineConfig
+
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -146,15 +148,12 @@ class Hello(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignor
 
 
 class Ready(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
-    """The core's answer to a hello: what the client needs to build its frontend."""
+    """The core's answer to a hello: its settled configuration (model and tokenizer paths,
+    max_model_len after auto-fit, ...), which is all a client needs to build its frontend."""
 
     protocol_version: int
-    model: str
-    tokenizer: str
-    max_model_len: int
-    vocab_size: int
+    config: EngineConfig
     num_blocks: int
-    block_size: int
 
 
 class StartupError(msgspec.Struct, array_like=True):  # type: ignore[call-arg]

@@ -38,10 +38,14 @@ def test_max_model_len_auto_fits_the_cache(tiny_model) -> None:
         llm.shutdown()
 
 
-def test_too_little_kv_memory_is_a_clear_error(tiny_model) -> None:
-    with pytest.raises(ValueError, match=r"needs \d+ bytes .* only 5000 bytes .* available"):
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_too_little_kv_memory_is_a_clear_error(tiny_model, multiprocess: bool) -> None:
+    # In-process the ValueError itself; from a spawned core, its message.
+    error = RuntimeError if multiprocess else ValueError
+    with pytest.raises(error, match=r"needs \d+ bytes .* only 5000 bytes .* available"):
         LLM(
-            str(tiny_model("llama-gqa")),
+            model=str(tiny_model("llama-gqa")),
+            multiprocess=multiprocess,
             skip_tokenizer_init=True,
             max_model_len=512,
             kv_cache_memory_bytes=5000,

@@ -1,0 +1,75 @@
+"""`engine-core`: an EngineCore process started on its own, serving any number of clients.
+
+    engine-core --model M --address tcp://127.0.0.1:PORT [--auth-token T] [engine args...]
+    engine-core --model M --address ipc:///run/me/tokenmill/engine
+
+Clients connect with `LLM(engine_address=...)`. tcp addresses must be loopback unless an auth
+token is given (`--auth-token` or TOKENMILL_AUTH_TOKEN); clients without it are refused at the
+handshake and never reach the engine. ipc sockets must sit in a private (0700) directory.
+Every engine argument of `LLM(...)` is a flag here (`--max-model-len`, `--block-size`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+
+from tokenmill.core.engine_core_proc import run_engine_core
+from tokenmill.protocol import envs
+from tokenmill.protocol.config import EngineArgs
+from tokenmill.protocol.sockets import ensure_private_ipc_dir, is_loopback, split_address
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="engine-core",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--address", required=True, help="tcp://HOST:PORT or ipc://PATH")
+    parser.add_argument("--auth-token", default=None, help="required from every client")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            parser.add_argument(flag, type=_parse_bool, default=f.default, metavar="BOOL")
+        else:
+            kind = int if int in typing.get_args(hint) or hint is int else None
+            kind = kind or (float if hint is float else str)
+            parser.add_argument(flag, type=kind, default=f.default)
+    return parser
+
+
+def _parse_bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    token = args.auth_token if args.auth_token is not None else envs.TOKENMILL_AUTH_TOKEN
+    if not is_loopback(args.address) and not token:
+        sys.exit(
+            f"engine-core: refusing to listen on {args.address} without an auth token "
+            "(pass --auth-token or set TOKENMILL_AUTH_TOKEN, or bind 127.0.0.1)"
+        )
+    input_address, output_address = split_address(args.address)
+    ensure_private_ipc_dir(input_address)
+    engine_args = EngineArgs(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+    )
+    config = engine_args.create_engine_config()
+    run_engine_core(config, input_address, output_address, None, token)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Socket addresses and ZeroMQ helpers shared by the engine-core process and its clients.
+
+An engine core listens on two ROUTER sockets: requests come in on the input address, each
+client's outputs leave on the output address. Users name one address; the other is derived:
+`tcp://HOST:PORT` -> input PORT, output PORT+1; `ipc://PATH` -> PATH and PATH.out. ipc paths
+must live in a directory only their owner can enter.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+from urllib.parse import urlsplit
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def split_address(address: str) -> tuple[str, str]:
+    """The (input, output) socket addresses behind one engine address."""
+    if address.startswith("ipc://"):
+        return address, address + ".out"
+    if address.startswith("tcp://"):
+        parts = urlsplit(address)
+        if parts.port is None or parts.hostname is None:
+            raise ValueError(f"engine address {address!r} needs a host and a port")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        return address, f"tcp://{host}:{parts.port + 1}"
+    raise ValueError(f"engine address must start with tcp:// or ipc://, got {address!r}")
+
+
+def is_loopback(address: str) -> bool:
+    if not address.startswith("tcp://"):
+        return True  # ipc
+    host = urlsplit(address).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def ensure_private_ipc_dir(address: str) -> None:
+    """Creates the directory of an ipc:// path with mode 0700, or refuses one that others
+    can enter (they could connect to the engine)."""
+    if not address.startswith("ipc://"):
+        return
+    directory = os.path.dirname(os.path.abspath(address[len("ipc://") :]))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    mode = stat.S_IMODE(os.stat(directory).st_mode)
+    if mode & 0o077:
+        raise PermissionError(
+            f"ipc directory {directory} has mode {oct(mode)}; use a private directory (0700)"
+        )

@@ -1,0 +1,187 @@
+"""The `engine-core` daemon: several clients at once, each getting its own outputs; every
+client failing promptly when the daemon is killed; authentication on tcp; and a fuzzed input
+socket that leaves the daemon serving correct results. Daemons are always killed at the end."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import msgspec
+import pytest
+import zmq
+
+from tokenmill import LLM, EngineDeadError, SamplingParams
+from tokenmill.protocol.codec import Encoder
+from tokenmill.protocol.messages import PROTOCOL_VERSION, Hello, RequestType
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (2, 11, 35, 90)]
+
+
+def free_port_pair() -> int:
+    """A port p with p and p+1 free on loopback (the daemon's input and output sockets)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+@contextmanager
+def running_daemon(model_path, *extra: str):
+    address = f"tcp://127.0.0.1:{free_port_pair()}"
+    command = [
+        sys.executable, "-m", "tokenmill.core.daemon",
+        "--model", str(model_path), "--address", address,
+        "--skip-tokenizer-init", "true", "--kv-cache-memory-bytes", str(32 << 20),
+        *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(command)
+    try:
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def reference(model_path) -> list[list[int]]:
+    llm = LLM(str(model_path), multiprocess=False, skip_tokenizer_init=True,
+              kv_cache_memory_bytes=32 << 20)  # fmt: skip
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+def test_two_clients_get_their_own_outputs(tiny_model) -> None:
+    path = tiny_model("llama-gqa")
+    expected = reference(path)
+    with running_daemon(path) as (_, address):
+        clients = [LLM(engine_address=address) for _ in range(2)]
+        try:
+            results: dict[int, list[list[int]]] = {}
+
+            def run(i: int) -> None:
+                prompts = PROMPTS if i == 0 else PROMPTS[::-1]
+                outs = clients[i].generate(prompts, GREEDY, use_tqdm=False)
+                results[i] = [o.outputs[0].token_ids for o in outs]
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert results[0] == expected and results[1] == expected[::-1]
+        finally:
+            for client in clients:
+                client.shutdown()
+
+
+def test_killed_daemon_fails_every_client(tiny_model) -> None:
+    with running_daemon(tiny_model("llama-gqa")) as (proc, address):
+        clients = [LLM(engine_address=address) for _ in range(2)]
+        errors: list[BaseException] = []
+        long_run = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+
+        def run(client: LLM) -> None:
+            try:
+                client.generate([{"prompt_token_ids": [9] * 30}] * 16, long_run, use_tqdm=False)
+            except BaseException as e:  # collected for the assertion below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(10)
+        assert time.monotonic() - killed < 5.0
+        assert len(errors) == 2 and all(isinstance(e, EngineDeadError) for e in errors)
+        with pytest.raises(EngineDeadError):
+            clients[0].generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        for client in clients:
+            client.shutdown()
+
+
+def test_tcp_clients_must_present_the_token(tiny_model) -> None:
+    with running_daemon(tiny_model("llama-gqa"), "--auth-token", "s3cret") as (_, address):
+        with pytest.raises(RuntimeError, match="authentication failed"):
+            LLM(engine_address=address)
+        with pytest.raises(RuntimeError, match="authentication failed"):
+            LLM(engine_address=address, auth_token="wrong")
+        llm = LLM(engine_address=address, auth_token="s3cret")
+        try:
+            assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == 1
+        finally:
+            llm.shutdown()
+
+
+def test_daemon_refuses_a_public_address_without_a_token(tiny_model) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.core.daemon", "--model", str(tiny_model("llama-gqa")),
+         "--address", "tcp://0.0.0.0:5999"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "TOKENMILL_AUTH_TOKEN": ""},
+    )  # fmt: skip
+    assert result.returncode != 0 and "without an auth token" in result.stderr
+
+
+def test_fuzzed_frames_leave_the_daemon_serving(tiny_model) -> None:
+    path = tiny_model("llama-gqa")
+    expected = reference(path)
+    rng = random.Random(0)
+    encoder = Encoder()
+    valid_add = encoder.encode(msgspec.structs.replace(_valid_request(), request_id="fuzz-ok"))[0]
+    with running_daemon(path) as (_, address):
+        ctx = zmq.Context()
+        try:
+            strangers = ctx.socket(zmq.DEALER)  # never says hello
+            insider = ctx.socket(zmq.DEALER)  # says hello, then sends garbage
+            for s in (strangers, insider):
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 100_000)
+                s.connect(address)
+            insider.send_multipart([RequestType.HELLO, *encoder.encode(Hello(PROTOCOL_VERSION))])
+            kinds = [RequestType.ADD, RequestType.ABORT, RequestType.UTILITY, RequestType.HELLO,
+                     b"Z", b""]  # fmt: skip
+            for i in range(3000):
+                sender = strangers if i % 2 else insider
+                body = rng.randbytes(rng.randint(0, 64))
+                if i % 5 == 0:  # truncated valid request
+                    body = valid_add[: rng.randint(0, len(valid_add) - 1)]
+                frames = [rng.choice(kinds), body]
+                if i % 7 == 0:
+                    frames = frames[:1]
+                sender.send_multipart(frames)
+            insider.send_multipart([RequestType.ABORT, *encoder.encode(["no-such-request"])])
+            time.sleep(1.0)
+        finally:
+            ctx.destroy(linger=0)
+        llm = LLM(engine_address=address)
+        try:
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == expected
+        finally:
+            llm.shutdown()
+
+
+def _valid_request():
+    from tokenmill.protocol.messages import EngineCoreRequest
+
+    return EngineCoreRequest("x", [1, 2, 3], GREEDY, [2], 0.0)
