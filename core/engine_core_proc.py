@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 UTILITIES = ("get_stats", "reset_prefix_cache", "check_health")
 _DECODERS = {
     RequestType.HELLO: Decoder(Hello),
-    RequestType.ADD: Decoder(EngineCoreRequest),
+    RequestType.ADD: Decoder(list[EngineCoreRequest]),
     RequestType.ABORT: Decoder(list[str]),
     RequestType.UTILITY: Decoder(UtilityCall),
 }
@@ -171,9 +171,10 @@ class EngineCoreProc:
         # Request ids are the clients' own: inside the core they are prefixed with the
         # client's identity, so that two clients may use the same id.
         if kind == RequestType.ADD:
-            payload.request_id = _scoped(identity, payload.request_id)
-            self.request_owner[payload.request_id] = identity
-            self.core.add_request(payload)
+            for request in payload:
+                request.request_id = _scoped(identity, request.request_id)
+                self.request_owner[request.request_id] = identity
+                self.core.add_request(request)
         elif kind == RequestType.ABORT:
             scoped = [_scoped(identity, req_id) for req_id in payload]
             self.core.abort_requests(scoped)

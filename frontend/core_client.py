@@ -65,7 +65,9 @@ class EngineCoreClient(ABC):
         return SyncMPClient(config) if multiprocess else InprocClient(config)
 
     @abstractmethod
-    def add_request(self, request: EngineCoreRequest) -> None: ...
+    @abstractmethod
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Submits requests together (one message to a core in another process)."""
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -97,8 +99,9 @@ class InprocClient(EngineCoreClient):
     def engine_config(self) -> EngineConfig:
         return self.engine_core.config
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.engine_core.add_request(request)
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            self.engine_core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
@@ -240,9 +243,9 @@ class SyncMPClient(EngineCoreClient):
     def _send(self, kind: bytes, payload: Any) -> None:
         self.input_socket.send_multipart([kind, *self.encoder.encode(payload)], copy=False)
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._check_alive()
-        self._send(RequestType.ADD, request)
+        self._send(RequestType.ADD, requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if self.dead is None and request_ids:

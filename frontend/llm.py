@@ -121,8 +121,7 @@ class LLM:
         for prompt, params, prio in zip(prompts, params_list, priorities):
             req_id = str(next(self._request_counter))
             requests.append(engine.input_processor.process(req_id, prompt, params, prio))
-        for request, text in requests:
-            engine.submit(request, text)
+        engine.submit(requests)
 
         order = {request.request_id: i for i, (request, _) in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)

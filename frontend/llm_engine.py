@@ -52,12 +52,14 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> None:
-        self.submit(*self.input_processor.process(request_id, prompt, params, priority))
+        self.submit([self.input_processor.process(request_id, prompt, params, priority)])
 
-    def submit(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
-        """Sends an already processed request to the core and starts tracking its output."""
-        self.output_processor.add_request(request, prompt_text)
-        self.client.add_request(request)
+    def submit(self, processed: list[tuple[EngineCoreRequest, str | None]]) -> None:
+        """Sends already processed requests to the core together (so that a spawned core
+        schedules them in one step) and starts tracking their outputs."""
+        for request, prompt_text in processed:
+            self.output_processor.add_request(request, prompt_text)
+        self.client.add_requests([request for request, _ in processed])
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.output_processor.abort_requests(request_ids)

@@ -44,11 +44,14 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
     return Workload(prompts, output_lens)
 
 
-def run_tokenmill(args: argparse.Namespace, workload: Workload) -> tuple[float, int]:
+def run_tokenmill(
+    args: argparse.Namespace, workload: Workload, multiprocess: bool
+) -> tuple[float, int]:
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(
         args.model,
+        multiprocess=multiprocess,
         load_format=args.load_format,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -142,6 +145,12 @@ def main() -> None:
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--mode",
+        choices=["mp", "inproc", "both"],
+        default="mp",
+        help="engine core in a spawned process (mp, the default), in this one, or both",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = parser.parse_args()
@@ -173,8 +182,10 @@ def main() -> None:
     )
 
     rows = []
-    elapsed, tokens = run_tokenmill(args, workload)
-    rows.append(("tokenmill", elapsed, tokens))
+    modes = ["inproc", "mp"] if args.mode == "both" else [args.mode]
+    for mode in modes:
+        elapsed, tokens = run_tokenmill(args, workload, multiprocess=mode == "mp")
+        rows.append((f"tokenmill ({mode})", elapsed, tokens))
     if args.compare == "hf":
         elapsed, tokens = run_hf(args, model_path, workload, device, dtype)
         rows.append(("hf transformers", elapsed, tokens))
@@ -182,12 +193,15 @@ def main() -> None:
     base = rows[-1][2] / rows[-1][1] if args.compare else None
     print()
     header = ("engine", "time (s)", "output tokens", "output tok/s", "vs HF")
-    print("| {:<16} | {:>9} | {:>13} | {:>12} | {:>6} |".format(*header))
-    print(f"|{'-' * 18}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|")
+    print("| {:<19} | {:>9} | {:>13} | {:>12} | {:>6} |".format(*header))
+    print(f"|{'-' * 21}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|")
     for name, elapsed, tokens in rows:
         rate = tokens / elapsed
         ratio = f"{rate / base:.2f}x" if base else "-"
-        print(f"| {name:<16} | {elapsed:>9.2f} | {tokens:>13} | {rate:>12.1f} | {ratio:>6} |")
+        print(f"| {name:<19} | {elapsed:>9.2f} | {tokens:>13} | {rate:>12.1f} | {ratio:>6} |")
+    if args.mode == "both":
+        inproc, mp = rows[0], rows[1]
+        print(f"multiprocess / in-process throughput: {inproc[1] / mp[1]:.3f}")
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def test_fuzzed_frames_leave_the_daemon_serving(tiny_model) -> None:
     expected = reference(path)
     rng = random.Random(0)
     encoder = Encoder()
-    valid_add = encoder.encode(msgspec.structs.replace(_valid_request(), request_id="fuzz-ok"))[0]
+    valid_add = encoder.encode([msgspec.structs.replace(_valid_request(), request_id="ok")])[0]
     with running_daemon(path) as (_, address):
         ctx = zmq.Context()
         try:
