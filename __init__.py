@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "LLM": "tokenmill.frontend.llm",
+    "AsyncLLM": "tokenmill.frontend.async_llm",
     "SamplingParams": "tokenmill.protocol.messages",
     "RequestOutput": "tokenmill.frontend.outputs",
     "CompletionOutput": "tokenmill.frontend.outputs",

@@ -1,0 +1,137 @@
+"""AsyncLLM: the asyncio engine front, for servers and concurrent callers.
+
+`async for out in engine.generate(prompt, params, request_id)` yields a RequestOutput after
+every engine step that gave the request new tokens (cumulative text and token ids, as vLLM's
+default). Leaving the loop early, or cancelling the task, aborts the request in the core.
+The engine core runs in its own process (spawned, or a daemon given by `engine_address`);
+a thread waits for its outputs and hands them to the event loop, where all bookkeeping and
+socket sends happen. If the core dies, every open stream raises EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tokenmill.frontend.core_client import EngineDeadError, SyncMPClient
+from tokenmill.frontend.input_processor import InputProcessor, PromptType
+from tokenmill.frontend.llm_engine import load_tokenizer
+from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.frontend.outputs import RequestOutput
+from tokenmill.protocol import envs
+from tokenmill.protocol.config import EngineArgs
+from tokenmill.protocol.messages import EngineCoreOutputs, SamplingParams
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        engine_address: str | None = None,
+        auth_token: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        token = auth_token if auth_token is not None else envs.TOKENMILL_AUTH_TOKEN
+        if engine_address is None:
+            self.client = SyncMPClient(EngineArgs(model=model, **kwargs).create_engine_config())
+        else:
+            self.client = SyncMPClient(None, engine_address, token)
+        self.config = self.client.engine_config
+        model_config = self.config.model_config
+        self.tokenizer = (
+            None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        )
+        self.input_processor = InputProcessor(model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.dead: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+
+    def _start(self) -> None:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+            threading.Thread(target=self._pump, daemon=True, name="async-llm-outputs").start()
+
+    def _pump(self) -> None:
+        """Waits for the core's outputs off the event loop and hands them over."""
+        loop = self.loop
+        assert loop is not None
+        while True:
+            try:
+                outputs = self.client.get_output()
+                loop.call_soon_threadsafe(self._dispatch, outputs)
+            except EngineDeadError as e:
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(self._fail_all, e)
+                return
+            except RuntimeError:  # the event loop was closed: nobody is listening
+                return
+
+    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
+        results, stopped = self.output_processor.process_outputs(outputs.outputs)
+        if stopped:
+            self.client.abort_requests(stopped)
+        for result in results:
+            stream = self.streams.get(result.request_id)
+            if stream is not None:
+                stream.put_nowait(result)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead = error
+        for stream in self.streams.values():
+            stream.put_nowait(error)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        self._start()
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if request_id in self.streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request, text = self.input_processor.process(request_id, prompt, sampling_params, priority)
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.streams[request_id] = stream
+        finished = False
+        try:
+            self.output_processor.add_request(request, text)
+            self.client.add_requests([request])
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            del self.streams[request_id]
+            if not finished:  # cancelled or abandoned: stop spending compute on it
+                self.output_processor.abort_requests([request_id])
+                if self.dead is None:
+                    self.client.abort_requests([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        self.output_processor.abort_requests([request_id])
+        self.client.abort_requests([request_id])
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(asyncio.CancelledError(f"request {request_id} was aborted"))
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.client.call_utility, "get_stats")
+
+    async def check_health(self) -> bool:
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+        return await asyncio.to_thread(self.client.call_utility, "check_health")
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

@@ -1,0 +1,85 @@
+"""AsyncLLM: step-by-step streaming, concurrent streams, cancellation that aborts in the core,
+and EngineDeadError in every open stream when the core dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tokenmill import LLM, AsyncLLM, EngineDeadError, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+@pytest.fixture
+def engine(tiny_model):
+    engine = AsyncLLM(
+        str(tiny_model("llama-gqa")), skip_tokenizer_init=True, kv_cache_memory_bytes=32 << 20
+    )
+    yield engine
+    engine.shutdown()
+
+
+def test_streams_match_offline_generation(tiny_model, engine: AsyncLLM) -> None:
+    prompts = [{"prompt_token_ids": list(range(9, 9 + n))} for n in (3, 30, 70)]
+
+    async def collect(i: int) -> list:
+        return [out async for out in engine.generate(prompts[i], GREEDY, request_id=f"r{i}")]
+
+    async def main() -> list:
+        return await asyncio.gather(*(collect(i) for i in range(3)))
+
+    streams = asyncio.run(main())
+    offline = LLM(str(tiny_model("llama-gqa")), multiprocess=False, skip_tokenizer_init=True,
+                  kv_cache_memory_bytes=32 << 20)  # fmt: skip
+    try:
+        expected = offline.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        offline.shutdown()
+    for stream, reference in zip(streams, expected):
+        assert len(stream) > 1, "outputs should arrive step by step"
+        lengths = [len(o.outputs[0].token_ids) for o in stream]
+        assert lengths == sorted(lengths) and stream[-1].finished
+        assert not any(o.finished for o in stream[:-1])
+        assert stream[-1].outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_cancelling_a_stream_aborts_the_request(engine: AsyncLLM) -> None:
+    long_run = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+
+    async def main() -> dict:
+        seen = 0
+        async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]}, long_run, "long"):
+            seen += 1
+            if seen == 3:
+                break  # leaving the loop closes the generator: the request is aborted
+        await asyncio.sleep(0.5)
+        return await engine.get_stats()
+
+    stats = asyncio.run(main())
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_dead_core_fails_open_streams(engine: AsyncLLM) -> None:
+    long_run = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+
+    async def main() -> None:
+        async def consume(i: int) -> None:
+            async for _ in engine.generate({"prompt_token_ids": [5 + i] * 10}, long_run):
+                pass
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(3)]
+        await asyncio.sleep(1.0)
+        os.kill(engine.client.proc.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(
+            asyncio.gather(*tasks, return_exceptions=True), timeout=5.0
+        )
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate({"prompt_token_ids": [1]}, GREEDY):
+                pass
+
+    asyncio.run(main())
