@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from abc import ABC, abstractmethod
 from typing import Any
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0  # loading a model (and converting the default one) takes a while
 CONNECT_TIMEOUT_S = 30.0  # a running daemon answers a hello at once
+RECONNECT_TIMEOUT_S = 60.0  # how long a reconnecting client waits for a restarted daemon
 
 
 class EngineDeadError(RuntimeError):
@@ -58,9 +60,10 @@ class EngineCoreClient(ABC):
         multiprocess: bool = True,
         engine_address: str | None = None,
         auth_token: str = "",
+        reconnect: bool = False,
     ) -> EngineCoreClient:
         if engine_address is not None:
-            return SyncMPClient(None, engine_address, auth_token)
+            return SyncMPClient(None, engine_address, auth_token, reconnect)
         assert config is not None
         return SyncMPClient(config) if multiprocess else InprocClient(config)
 
@@ -130,8 +133,14 @@ class SyncMPClient(EngineCoreClient):
         config: EngineConfig | None,
         engine_address: str | None = None,
         auth_token: str = "",
+        reconnect: bool = False,
     ) -> None:
         self.proc: subprocess.Popen | None = None
+        self.auth_token = auth_token
+        # With a daemon: survive its restart by resubmitting unfinished requests.
+        self.reconnect = reconnect and engine_address is not None
+        self.in_flight: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
+        self.send_lock = threading.Lock()  # the output thread resubmits after a reconnect
         self.ipc_dir: str | None = None
         if engine_address is None:
             assert config is not None, "a spawned engine core needs a config"
@@ -207,6 +216,9 @@ class SyncMPClient(EngineCoreClient):
             except zmq.ZMQError:
                 return  # closed by shutdown()
             if self.monitor in ready:
+                self.monitor.recv_multipart()
+                if self.reconnect and self._reconnect(decoders):
+                    continue
                 self._die(f"lost the connection to the engine core at {self.address}")
                 return
             if not ready:
@@ -227,7 +239,48 @@ class SyncMPClient(EngineCoreClient):
                 if waiter is not None:
                     waiter.put(message)
             else:
+                self._track(message)
                 self.outputs.put(message)
+
+    def _track(self, outputs: EngineCoreOutputs) -> None:
+        """Remembers what unfinished requests produced, to resubmit them after a restart."""
+        if not self.reconnect:
+            return
+        with self.send_lock:
+            for out in outputs.outputs:
+                entry = self.in_flight.get(out.request_id)
+                if entry is None:
+                    continue
+                if out.finished:
+                    del self.in_flight[out.request_id]
+                else:
+                    entry[1].extend(out.new_token_ids)
+
+    def _reconnect(self, decoders: dict) -> bool:
+        """Waits for the daemon to come back at the same address, says hello again and
+        resubmits every unfinished request with the tokens it already produced appended to
+        its prompt, so callers get complete outputs. False if it does not come back."""
+        logger.warning("lost the engine core at %s; waiting for it to come back", self.address)
+        deadline = time.monotonic() + RECONNECT_TIMEOUT_S
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        while time.monotonic() < deadline and self.dead is None:
+            self._send(RequestType.HELLO, Hello(PROTOCOL_VERSION, self.auth_token))
+            if not poller.poll(1000):
+                continue
+            kind, *frames = self.output_socket.recv_multipart(copy=False)
+            if kind.bytes != OutputType.READY:
+                continue
+            with self.send_lock:
+                resubmitted = [
+                    _continuation(req, produced) for req, produced in self.in_flight.values()
+                ]
+                self.in_flight = {r.request_id: (r, []) for r in resubmitted}
+            if resubmitted:
+                self._send(RequestType.ADD, resubmitted)
+            logger.warning("reconnected; resubmitted %d unfinished requests", len(resubmitted))
+            return True
+        return False
 
     def _die(self, reason: str) -> None:
         self.dead = reason
@@ -241,13 +294,23 @@ class SyncMPClient(EngineCoreClient):
             raise EngineDeadError(self.dead)
 
     def _send(self, kind: bytes, payload: Any) -> None:
-        self.input_socket.send_multipart([kind, *self.encoder.encode(payload)], copy=False)
+        with self.send_lock:
+            frames = [kind, *self.encoder.encode(payload)]
+            self.input_socket.send_multipart(frames, copy=False)
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._check_alive()
+        if self.reconnect:
+            with self.send_lock:
+                for request in requests:
+                    self.in_flight[request.request_id] = (request, [])
         self._send(RequestType.ADD, requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self.reconnect:
+            with self.send_lock:
+                for req_id in request_ids:
+                    self.in_flight.pop(req_id, None)
         if self.dead is None and request_ids:
             self._send(RequestType.ABORT, list(request_ids))
 
@@ -279,6 +342,21 @@ class SyncMPClient(EngineCoreClient):
         if self.dead is None:
             self.dead = "the client was shut down"
         self._finalizer()
+
+
+def _continuation(request: EngineCoreRequest, produced: list[int]) -> EngineCoreRequest:
+    """The rest of a request: its prompt plus what it produced, for what is left to produce."""
+    if not produced:
+        return request
+    params = request.sampling_params
+    rest = msgspec.structs.replace(
+        params,
+        max_tokens=None if params.max_tokens is None else params.max_tokens - len(produced),
+        min_tokens=max(params.min_tokens - len(produced), 0),
+    )
+    return msgspec.structs.replace(
+        request, prompt_token_ids=request.prompt_token_ids + produced, sampling_params=rest
+    )
 
 
 def _spawn_core(config: EngineConfig, input_address: str, output_address: str) -> subprocess.Popen:

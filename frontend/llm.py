@@ -36,6 +36,7 @@ class LLM:
         multiprocess: bool | None = None,
         engine_address: str | None = None,
         auth_token: str | None = None,
+        reconnect: bool = False,
         **kwargs: Any,
     ) -> None:
         known = EngineArgs.field_names()
@@ -51,7 +52,7 @@ class LLM:
                     f"engine arguments {sorted(kwargs)} belong to the engine-core daemon at "
                     f"{engine_address}, not to a client that connects to it"
                 )
-            self.llm_engine = LLMEngine(None, True, engine_address, token)
+            self.llm_engine = LLMEngine(None, True, engine_address, token, reconnect)
         else:
             self.engine_args = EngineArgs(model=model, **kwargs)
             self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess)

@@ -33,10 +33,13 @@ class LLMEngine:
         multiprocess: bool = True,
         engine_address: str | None = None,
         auth_token: str = "",
+        reconnect: bool = False,
     ) -> None:
         """`config` builds the core (in this process or a spawned one); with
         `engine_address` the core is a running daemon and its handshake gives the config."""
-        self.client = EngineCoreClient.make_client(config, multiprocess, engine_address, auth_token)
+        self.client = EngineCoreClient.make_client(
+            config, multiprocess, engine_address, auth_token, reconnect
+        )
         self.config = self.client.engine_config
         model_config = self.config.model_config
         self.tokenizer = (

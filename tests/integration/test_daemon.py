@@ -185,3 +185,49 @@ def _valid_request():
     from tokenmill.protocol.messages import EngineCoreRequest
 
     return EngineCoreRequest("x", [1, 2, 3], GREEDY, [2], 0.0)
+
+
+def test_reconnecting_client_survives_a_daemon_restart(tiny_model) -> None:
+    path = tiny_model("llama-gqa")
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(20 + i, 60 + i))} for i in range(16)]
+    offline = LLM(str(path), multiprocess=False, skip_tokenizer_init=True,
+                  kv_cache_memory_bytes=32 << 20)  # fmt: skip
+    try:
+        expected = [
+            o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)
+        ]
+    finally:
+        offline.shutdown()
+    with running_daemon(path) as (first, address):
+        llm = LLM(engine_address=address, reconnect=True)
+        result: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                result["outputs"] = llm.generate(prompts, params, use_tqdm=False)
+            except BaseException as e:  # reported below
+                result["error"] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(1.5)
+        assert thread.is_alive(), "generation ended before the daemon was killed"
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        command = [
+            sys.executable, "-m", "tokenmill.core.daemon", "--model", str(path),
+            "--address", address, "--skip-tokenizer-init", "true",
+            "--kv-cache-memory-bytes", str(32 << 20),
+        ]  # fmt: skip
+        second = subprocess.Popen(command)
+        try:
+            thread.join(120)
+            assert "error" not in result, result.get("error")
+            outputs = result["outputs"]
+            assert [o.outputs[0].token_ids for o in outputs] == expected
+            assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+        finally:
+            llm.shutdown()
+            second.kill()
+            second.wait(10)
