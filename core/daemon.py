@@ -20,7 +20,12 @@ import typing
 from tokenmill.core.engine_core_proc import run_engine_core
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs
-from tokenmill.protocol.sockets import ensure_private_ipc_dir, is_loopback, split_address
+from tokenmill.protocol.sockets import (
+    ensure_private_ipc_dir,
+    is_loopback,
+    split_address,
+    with_host,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--address", required=True, help="tcp://HOST:PORT or ipc://PATH")
+    parser.add_argument(
+        "--host", default=None, help="listen on this host instead of the address's (tcp only)"
+    )
     parser.add_argument("--auth-token", default=None, help="required from every client")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
@@ -57,6 +65,8 @@ def _parse_bool(value: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     token = args.auth_token if args.auth_token is not None else envs.TOKENMILL_AUTH_TOKEN
+    if args.host is not None:
+        args.address = with_host(args.address, args.host)
     if not is_loopback(args.address) and not token:
         sys.exit(
             f"engine-core: refusing to listen on {args.address} without an auth token "

@@ -117,14 +117,19 @@ class EngineCoreProc:
                 return
             identity, kind, payload = item
             frames = [identity, kind, *encoder.encode(payload)]
-            for _ in range(100):  # the client's output socket may still be connecting
+            # A client's output socket may still be connecting when its hello is answered;
+            # later messages to a client that is gone are dropped at once, so that no client
+            # can stall the others.
+            attempts = 100 if kind in (OutputType.READY, OutputType.STARTUP_ERROR) else 1
+            for attempt in range(attempts):
                 try:
                     self.output_socket.send_multipart(frames, copy=False)
                     break
                 except zmq.ZMQError as e:
                     if e.errno != zmq.EHOSTUNREACH:
                         raise
-                    time.sleep(0.01)
+                    if attempt + 1 < attempts:
+                        time.sleep(0.01)
             else:
                 logger.warning("client %s is gone; dropped its %r message", identity.hex(), kind)
 

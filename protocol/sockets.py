@@ -53,3 +53,12 @@ def ensure_private_ipc_dir(address: str) -> None:
         raise PermissionError(
             f"ipc directory {directory} has mode {oct(mode)}; use a private directory (0700)"
         )
+
+
+def with_host(address: str, host: str) -> str:
+    """The tcp address with its host replaced (the daemon's --host)."""
+    parts = urlsplit(address)
+    if parts.scheme != "tcp" or parts.port is None:
+        raise ValueError(f"--host applies to tcp://HOST:PORT addresses, got {address!r}")
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{parts.port}"

@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 
 import msgspec
+import psutil
 import pytest
 import zmq
 
@@ -136,7 +137,7 @@ def test_tcp_clients_must_present_the_token(tiny_model) -> None:
 def test_daemon_refuses_a_public_address_without_a_token(tiny_model) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "tokenmill.core.daemon", "--model", str(tiny_model("llama-gqa")),
-         "--address", "tcp://0.0.0.0:5999"],
+         "--address", "tcp://127.0.0.1:5999", "--host", "0.0.0.0"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "TOKENMILL_AUTH_TOKEN": ""},
     )  # fmt: skip
     assert result.returncode != 0 and "without an auth token" in result.stderr
@@ -231,3 +232,19 @@ def test_reconnecting_client_survives_a_daemon_restart(tiny_model) -> None:
             llm.shutdown()
             second.kill()
             second.wait(10)
+
+
+def test_idle_daemon_does_not_spin(tiny_model) -> None:
+    with running_daemon(tiny_model("llama-gqa")) as (proc, address):
+        llm = LLM(engine_address=address)  # a connected client, then silence
+        try:
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+            daemon = psutil.Process(proc.pid)
+            time.sleep(0.5)
+            before = daemon.cpu_times()
+            time.sleep(10.0)
+            after = daemon.cpu_times()
+        finally:
+            llm.shutdown()
+    used = (after.user + after.system) - (before.user + before.system)
+    assert used / 10.0 < 0.01, f"idle daemon used {100 * used / 10.0:.2f}% of a core"
