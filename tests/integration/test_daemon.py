@@ -20,8 +20,17 @@ import pytest
 import zmq
 
 from tokenmill import LLM, EngineDeadError, SamplingParams
-from tokenmill.protocol.codec import Encoder
-from tokenmill.protocol.messages import PROTOCOL_VERSION, Hello, RequestType
+from tokenmill.protocol.codec import Decoder, Encoder
+from tokenmill.protocol.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Hello,
+    OutputType,
+    RequestType,
+)
+from tokenmill.protocol.sockets import split_address
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (2, 11, 35, 90)]
@@ -183,8 +192,6 @@ def test_fuzzed_frames_leave_the_daemon_serving(tiny_model) -> None:
 
 
 def _valid_request():
-    from tokenmill.protocol.messages import EngineCoreRequest
-
     return EngineCoreRequest("x", [1, 2, 3], GREEDY, [2], 0.0)
 
 
@@ -248,3 +255,46 @@ def test_idle_daemon_does_not_spin(tiny_model) -> None:
             llm.shutdown()
     used = (after.user + after.system) - (before.user + before.system)
     assert used / 10.0 < 0.01, f"idle daemon used {100 * used / 10.0:.2f}% of a core"
+
+
+def test_core_rejects_bad_requests_that_skip_the_frontend(tiny_model) -> None:
+    """A client that bypasses the frontend's checks gets an error for the bad request only."""
+    with running_daemon(tiny_model("llama-gqa")) as (_, address):
+        input_address, output_address = split_address(address)
+        ctx = zmq.Context()
+        try:
+            sockets = [ctx.socket(zmq.DEALER) for _ in range(2)]
+            for s, a in zip(sockets, (input_address, output_address)):
+                s.setsockopt(zmq.IDENTITY, b"rawclien")
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(a)
+            send, recv = sockets
+            encoder = Encoder()
+            send.send_multipart([RequestType.HELLO, *encoder.encode(Hello(PROTOCOL_VERSION))])
+            assert recv.poll(30_000), "no answer to the hello"
+            assert recv.recv_multipart()[0] == OutputType.READY
+            requests = [
+                EngineCoreRequest("oov", [1, 10**7], GREEDY, [2], 0.0),
+                EngineCoreRequest("long", [1] * 5000, GREEDY, [2], 0.0),
+                EngineCoreRequest("fine", [1, 2, 3], GREEDY, [2], 0.0),
+            ]
+            send.send_multipart([RequestType.ADD, *encoder.encode(requests)])
+            decoder = Decoder(EngineCoreOutputs)
+            finished: dict[str, object] = {}
+            deadline = time.monotonic() + 30
+            while len(finished) < 3 and time.monotonic() < deadline:
+                if not recv.poll(1000):
+                    continue
+                kind, *frames = recv.recv_multipart()
+                if kind != OutputType.OUTPUTS:
+                    continue
+                for out in decoder.decode(frames).outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+        finally:
+            ctx.destroy(linger=0)
+    assert finished["oov"].finish_reason == FinishReason.ERROR
+    assert "outside" in finished["oov"].error
+    assert finished["long"].finish_reason == FinishReason.ERROR
+    assert "max_model_len" in finished["long"].error
+    assert finished["fine"].finish_reason == FinishReason.LENGTH
