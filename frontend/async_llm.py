@@ -17,9 +17,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tokenmill.frontend.core_client import EngineDeadError, SyncMPClient
-from tokenmill.frontend.input_processor import InputProcessor, PromptType
-from tokenmill.frontend.llm_engine import load_tokenizer
-from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.frontend.input_processor import PromptType
+from tokenmill.frontend.llm_engine import make_processors
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs
@@ -40,12 +39,9 @@ class AsyncLLM:
         else:
             self.client = SyncMPClient(None, engine_address, token)
         self.config = self.client.engine_config
-        model_config = self.config.model_config
-        self.tokenizer = (
-            None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        self.tokenizer, self.input_processor, self.output_processor = make_processors(
+            self.config.model_config
         )
-        self.input_processor = InputProcessor(model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.dead: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -14,7 +14,7 @@ from tokenmill.frontend.core_client import EngineCoreClient
 from tokenmill.frontend.input_processor import InputProcessor, PromptType
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.frontend.outputs import RequestOutput
-from tokenmill.protocol.config import EngineArgs, EngineConfig
+from tokenmill.protocol.config import EngineArgs, EngineConfig, ModelConfig
 from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,12 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def make_processors(model_config: ModelConfig) -> tuple[Any, InputProcessor, OutputProcessor]:
+    """The tokenizer (None with skip_tokenizer_init) and the processors around it."""
+    tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+    return tokenizer, InputProcessor(model_config, tokenizer), OutputProcessor(tokenizer)
 
 
 class LLMEngine:
@@ -41,12 +47,9 @@ class LLMEngine:
             config, multiprocess, engine_address, auth_token, reconnect
         )
         self.config = self.client.engine_config
-        model_config = self.config.model_config
-        self.tokenizer = (
-            None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        self.tokenizer, self.input_processor, self.output_processor = make_processors(
+            self.config.model_config
         )
-        self.input_processor = InputProcessor(model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, multiprocess: bool = True) -> LLMEngine:
