@@ -173,7 +173,18 @@ class SyncMPClient(EngineCoreClient):
         self.dead: str | None = None
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.ctx, self.ipc_dir)
         self.ready = self._handshake(auth_token, timeout)
-        threading.Thread(target=self._output_loop, daemon=True, name="mp-client-output").start()
+        self._decoders = {
+            OutputType.OUTPUTS: Decoder(EngineCoreOutputs),
+            OutputType.UTILITY_RESULT: Decoder(UtilityResult),
+        }
+        self._poller = zmq.Poller()
+        self._poller.register(self.output_socket, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
+        # The thread holds the client only weakly, so that dropping the last reference to it
+        # still shuts the engine core down.
+        threading.Thread(
+            target=_output_thread, args=(weakref.ref(self),), daemon=True, name="mp-client-output"
+        ).start()
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -202,45 +213,43 @@ class SyncMPClient(EngineCoreClient):
         self.shutdown()
         raise TimeoutError(f"engine core at {self.address} did not answer within {timeout:.0f} s")
 
-    def _output_loop(self) -> None:
-        decoders = {
-            OutputType.OUTPUTS: Decoder(EngineCoreOutputs),
-            OutputType.UTILITY_RESULT: Decoder(UtilityResult),
-        }
-        poller = zmq.Poller()
-        poller.register(self.output_socket, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        while self.dead is None:
-            try:
-                ready = dict(poller.poll(200))
-            except zmq.ZMQError:
-                return  # closed by shutdown()
-            if self.monitor in ready:
-                self.monitor.recv_multipart()
-                if self.reconnect and self._reconnect(decoders):
-                    continue
-                self._die(f"lost the connection to the engine core at {self.address}")
-                return
-            if not ready:
-                if self.proc is not None and self.proc.poll() is not None:
-                    self._die(f"engine core process died (exit code {self.proc.returncode})")
-                continue
-            try:
-                kind, *frames = self.output_socket.recv_multipart(copy=False)
-                decoder = decoders.get(kind.bytes)
-                if decoder is None:
-                    continue
-                message = decoder.decode([f.buffer for f in frames])
-            except (zmq.ZMQError, DecodeError, ValueError) as e:
-                logger.warning("dropped a message from the engine core: %s", e)
-                continue
-            if isinstance(message, UtilityResult):
-                waiter = self.utility_results.get(message.call_id)
-                if waiter is not None:
-                    waiter.put(message)
-            else:
-                self._track(message)
-                self.outputs.put(message)
+    def _receive_once(self) -> bool:
+        """One turn of the output thread: waits up to 200 ms for a message from the core and
+        hands it over. False once the thread should end."""
+        if self.dead is not None:
+            return False
+        try:
+            ready = dict(self._poller.poll(200))
+        except zmq.ZMQError:
+            return False  # closed by shutdown()
+        if self.monitor in ready:
+            self.monitor.recv_multipart()
+            if self.reconnect and self._reconnect(self._decoders):
+                return True
+            self._die(f"lost the connection to the engine core at {self.address}")
+            return False
+        if not ready:
+            if self.proc is not None and self.proc.poll() is not None:
+                self._die(f"engine core process died (exit code {self.proc.returncode})")
+                return False
+            return True
+        try:
+            kind, *frames = self.output_socket.recv_multipart(copy=False)
+            decoder = self._decoders.get(kind.bytes)
+            if decoder is None:
+                return True
+            message = decoder.decode([f.buffer for f in frames])
+        except (zmq.ZMQError, DecodeError, ValueError) as e:
+            logger.warning("dropped a message from the engine core: %s", e)
+            return True
+        if isinstance(message, UtilityResult):
+            waiter = self.utility_results.get(message.call_id)
+            if waiter is not None:
+                waiter.put(message)
+        else:
+            self._track(message)
+            self.outputs.put(message)
+        return True
 
     def _track(self, outputs: EngineCoreOutputs) -> None:
         """Remembers what unfinished requests produced, to resubmit them after a restart."""
@@ -342,6 +351,14 @@ class SyncMPClient(EngineCoreClient):
         if self.dead is None:
             self.dead = "the client was shut down"
         self._finalizer()
+
+
+def _output_thread(client_ref: weakref.ref[SyncMPClient]) -> None:
+    while True:
+        client = client_ref()
+        if client is None or not client._receive_once():
+            return
+        del client
 
 
 def _continuation(request: EngineCoreRequest, produced: list[int]) -> EngineCoreRequest:

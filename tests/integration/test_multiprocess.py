@@ -123,3 +123,21 @@ def test_idle_core_does_not_spin(mp_llm: LLM) -> None:
     after = core.cpu_times()
     used = (after.user + after.system) - (before.user + before.system)
     assert used / 5.0 < 0.01, f"idle engine core used {100 * used / 5.0:.2f}% of a core"
+
+
+def test_dropping_the_llm_stops_the_core(tiny_model) -> None:
+    import gc
+
+    llm = make_llm(tiny_model("llama-gqa"), multiprocess=True)
+    llm.generate({"prompt_token_ids": [3, 4]}, GREEDY, use_tqdm=False)
+    core_pid = llm.llm_engine.client.proc.pid
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and _running(core_pid):
+        time.sleep(0.1)
+    try:
+        assert not _running(core_pid), "the engine core outlived its garbage-collected LLM"
+    finally:
+        if _running(core_pid):
+            os.kill(core_pid, signal.SIGKILL)
