@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -50,22 +51,12 @@ class AsyncLLM:
     def _start(self) -> None:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
-            threading.Thread(target=self._pump, daemon=True, name="async-llm-outputs").start()
-
-    def _pump(self) -> None:
-        """Waits for the core's outputs off the event loop and hands them over."""
-        loop = self.loop
-        assert loop is not None
-        while True:
-            try:
-                outputs = self.client.get_output()
-                loop.call_soon_threadsafe(self._dispatch, outputs)
-            except EngineDeadError as e:
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(self._fail_all, e)
-                return
-            except RuntimeError:  # the event loop was closed: nobody is listening
-                return
+            threading.Thread(
+                target=_pump,
+                args=(weakref.ref(self), self.client, self.loop),
+                daemon=True,
+                name="async-llm-outputs",
+            ).start()
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         results, stopped = self.output_processor.process_outputs(outputs.outputs)
@@ -131,3 +122,31 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self.client.shutdown()
+
+
+def _pump(
+    engine_ref: weakref.ref[AsyncLLM], client: SyncMPClient, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Waits for the core's outputs off the event loop and hands them over. Holds the engine
+    only weakly: once it is garbage, the core is shut down."""
+    while True:
+        try:
+            outputs = client.get_output(timeout=0.2)
+        except EngineDeadError as e:
+            engine = engine_ref()
+            if engine is not None:
+                try:
+                    loop.call_soon_threadsafe(engine._fail_all, e)
+                except RuntimeError:  # the event loop was closed: nobody is listening
+                    pass
+            return
+        engine = engine_ref()
+        if engine is None:
+            client.shutdown()
+            return
+        if outputs is not None:
+            try:
+                loop.call_soon_threadsafe(engine._dispatch, outputs)
+            except RuntimeError:  # the event loop was closed: nobody is listening
+                return
+        del engine

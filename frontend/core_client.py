@@ -323,9 +323,13 @@ class SyncMPClient(EngineCoreClient):
         if self.dead is None and request_ids:
             self._send(RequestType.ABORT, list(request_ids))
 
-    def get_output(self) -> EngineCoreOutputs:
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        """The next step's outputs; None if `timeout` seconds pass without any."""
         self._check_alive()
-        result = self.outputs.get()
+        try:
+            result = self.outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
         if isinstance(result, BaseException):
             self.outputs.put(result)  # every later call fails the same way
             raise result

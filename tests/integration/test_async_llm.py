@@ -4,9 +4,11 @@ and EngineDeadError in every open stream when the core dies."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 
+import psutil
 import pytest
 
 from tokenmill import LLM, AsyncLLM, EngineDeadError, SamplingParams
@@ -83,3 +85,23 @@ def test_dead_core_fails_open_streams(engine: AsyncLLM) -> None:
                 pass
 
     asyncio.run(main())
+
+
+def test_dropping_the_engine_stops_the_core(tiny_model) -> None:
+    engine = AsyncLLM(
+        str(tiny_model("llama-gqa")), skip_tokenizer_init=True, kv_cache_memory_bytes=32 << 20
+    )
+
+    async def one(e: AsyncLLM) -> None:
+        async for _ in e.generate({"prompt_token_ids": [3, 4]}, GREEDY):
+            pass
+
+    asyncio.run(one(engine))
+    core = psutil.Process(engine.client.proc.pid)
+    del engine
+    gc.collect()
+    try:
+        core.wait(timeout=5)
+    except psutil.TimeoutExpired:
+        core.kill()
+        pytest.fail("the engine core outlived its garbage-collected AsyncLLM")
