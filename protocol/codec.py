@@ -32,13 +32,11 @@ class Encoder:
         self._frames: list[Any] = []
 
     def encode(self, obj: Any) -> list[Any]:
+        # The hook appends array frames while the body is encoded; the body goes first.
         self._frames = [b""]
-        try:
-            self._frames[0] = self._encoder.encode(obj)
-            return self._frames
-        finally:
-            frames, self._frames = self._frames, []
-            del frames
+        self._frames[0] = self._encoder.encode(obj)
+        frames, self._frames = self._frames, []
+        return frames
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):

@@ -101,22 +101,22 @@ class InputBatch:
     def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
         temperature = self.temperature[rows]
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
-        banned = {}
-        for i, row in enumerate(rows.tolist()):
-            stop_ids = self.stop_ids_until_min.get(row)
-            num_output = self.num_tokens[row] - self.num_prompt_tokens[row]
-            if stop_ids is not None and num_output < self.min_tokens[row]:
-                banned[i] = stop_ids
+        # Per-row Python work only for the rows that need it (usually none).
+        banned, generators = {}, {}
+        if self.stop_ids_until_min or self.generators:
+            for i, row in enumerate(rows.tolist()):
+                stop_ids = self.stop_ids_until_min.get(row)
+                num_output = self.num_tokens[row] - self.num_prompt_tokens[row]
+                if stop_ids is not None and num_output < self.min_tokens[row]:
+                    banned[i] = stop_ids
+                if row in self.generators:
+                    generators[i] = self.generators[row]
         return SamplingMetadata(
             temperature=torch.from_numpy(temperature).to(device),
             all_greedy=bool((temperature == 0).all()),
             top_k=torch.from_numpy(top_k).to(device) if (top_k > 0).any() else None,
             top_p=torch.from_numpy(top_p).to(device) if (top_p < 1).any() else None,
             min_p=torch.from_numpy(min_p).to(device) if (min_p > 0).any() else None,
-            generators={
-                i: self.generators[row]
-                for i, row in enumerate(rows.tolist())
-                if row in self.generators
-            },
+            generators=generators,
             banned_token_ids=banned,
         )
