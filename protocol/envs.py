@@ -42,6 +42,8 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     # Fraction of available RAM given to the KV cache on the CPU when no explicit
     # kv_cache_memory_bytes is set.
     "TOKENMILL_CPU_KV_FRACTION": _float("TOKENMILL_CPU_KV_FRACTION", 0.25),
+    # 0 leaves glibc malloc's defaults alone on the CPU (see worker.keep_freed_memory).
+    "TOKENMILL_CPU_MALLOC_TUNING": _bool("TOKENMILL_CPU_MALLOC_TUNING", True),
     # Seconds between the engine's one-line stats summaries while busy.
     "TOKENMILL_LOG_STATS_INTERVAL": _float("TOKENMILL_LOG_STATS_INTERVAL", 5.0),
 }

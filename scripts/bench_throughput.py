@@ -7,7 +7,14 @@ With `--compare hf`, HF `generate()` runs the same workload in the same process 
 left-padded batch with min_new_tokens = max_new_tokens = the longest output, and only each
 request's own output tokens are counted.
 
+`--rounds N` runs every engine N times, alternating (tokenmill, HF, tokenmill, HF, ...), each
+tokenmill round on a freshly started engine (no prefix cache or warm KV blocks carried over),
+and reports each engine's best time next to every round's time. On a shared machine whose
+speed drifts by 10-20% from minute to minute, alternating rounds and taking each engine's
+best compares the engines under the same conditions.
+
     python scripts/bench_throughput.py --compare hf
+    python scripts/bench_throughput.py --compare hf --rounds 2
     python scripts/bench_throughput.py --workload W1 --load-format dummy
 """
 
@@ -76,9 +83,7 @@ def run_tokenmill(
     return elapsed, generated
 
 
-def run_hf(
-    args: argparse.Namespace, model_path: str, workload: Workload, device: str, dtype: str
-) -> tuple[float, int]:
+def load_hf(args: argparse.Namespace, model_path: str, device: str, dtype: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -88,7 +93,12 @@ def run_hf(
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-    model.to(device).eval()
+    return model.to(device).eval()
+
+
+def run_hf(model, workload: Workload, device: str) -> tuple[float, int]:
+    import torch
+
     longest = max(len(p) for p in workload.prompts)
     pad = model.config.pad_token_id or 0
     input_ids = torch.full((len(workload.prompts), longest), pad, dtype=torch.long)
@@ -153,7 +163,12 @@ def main() -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alternating runs per engine; the best is reported"
+    )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     import torch
     import transformers
@@ -181,27 +196,38 @@ def main() -> None:
         f"{torch.get_num_threads()} threads"
     )
 
-    rows = []
     modes = ["inproc", "mp"] if args.mode == "both" else [args.mode]
-    for mode in modes:
-        elapsed, tokens = run_tokenmill(args, workload, multiprocess=mode == "mp")
-        rows.append((f"tokenmill ({mode})", elapsed, tokens))
+    names = [f"tokenmill ({mode})" for mode in modes]
+    hf_model = None
     if args.compare == "hf":
-        elapsed, tokens = run_hf(args, model_path, workload, device, dtype)
-        rows.append(("hf transformers", elapsed, tokens))
+        names.append("hf transformers")
+        hf_model = load_hf(args, model_path, device, dtype)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    tokens = sum(workload.output_lens)
+    for _ in range(args.rounds):
+        for mode, name in zip(modes, names):
+            times[name].append(run_tokenmill(args, workload, multiprocess=mode == "mp")[0])
+        if hf_model is not None:
+            times["hf transformers"].append(run_hf(hf_model, workload, device)[0])
 
-    base = rows[-1][2] / rows[-1][1] if args.compare else None
+    best = {name: min(ts) for name, ts in times.items()}
+    base = tokens / best["hf transformers"] if args.compare else None
     print()
+    if args.rounds > 1:
+        print(f"best of {args.rounds} alternating rounds per engine")
     header = ("engine", "time (s)", "output tokens", "output tok/s", "vs HF")
     print("| {:<19} | {:>9} | {:>13} | {:>12} | {:>6} |".format(*header))
     print(f"|{'-' * 21}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|")
-    for name, elapsed, tokens in rows:
-        rate = tokens / elapsed
+    for name in names:
+        rate = tokens / best[name]
         ratio = f"{rate / base:.2f}x" if base else "-"
-        print(f"| {name:<19} | {elapsed:>9.2f} | {tokens:>13} | {rate:>12.1f} | {ratio:>6} |")
+        print(f"| {name:<19} | {best[name]:>9.2f} | {tokens:>13} | {rate:>12.1f} | {ratio:>6} |")
+    if args.rounds > 1:
+        for name in names:
+            print(f"{name} rounds (s): " + ", ".join(f"{t:.2f}" for t in times[name]))
     if args.mode == "both":
-        inproc, mp = rows[0], rows[1]
-        print(f"multiprocess / in-process throughput: {inproc[1] / mp[1]:.3f}")
+        inproc, mp = best[names[0]], best[names[1]]
+        print(f"multiprocess / in-process throughput: {inproc / mp:.3f}")
 
 
 if __name__ == "__main__":
