@@ -7,11 +7,13 @@ With `--compare hf`, HF `generate()` runs the same workload in the same process 
 left-padded batch with min_new_tokens = max_new_tokens = the longest output, and only each
 request's own output tokens are counted.
 
-`--rounds N` runs every engine N times, alternating (tokenmill, HF, tokenmill, HF, ...), each
-tokenmill round on a freshly started engine (no prefix cache or warm KV blocks carried over),
-and reports each engine's best time next to every round's time. On a shared machine whose
-speed drifts by 10-20% from minute to minute, alternating rounds and taking each engine's
-best compares the engines under the same conditions.
+Each engine is started (or loaded) once and warmed up with a short request. Before every
+timed tokenmill run its prefix cache is reset, and the run fails if any prompt token came
+from it. `--rounds N` times every engine N times, alternating (tokenmill, HF, tokenmill, HF,
+...), and reports each engine's best time next to every round's time: on a shared machine
+whose speed drifts by 10-20% from minute to minute, alternating rounds compare the engines
+under the same conditions, and rounds after the first measure both warm (HF's allocator has
+its memory, tokenmill's KV blocks have been touched).
 
     python scripts/bench_throughput.py --compare hf
     python scripts/bench_throughput.py --compare hf --rounds 2
@@ -51,9 +53,7 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
     return Workload(prompts, output_lens)
 
 
-def run_tokenmill(
-    args: argparse.Namespace, workload: Workload, multiprocess: bool
-) -> tuple[float, int]:
+def start_tokenmill(args: argparse.Namespace, workload: Workload, multiprocess: bool):
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(
@@ -68,6 +68,14 @@ def run_tokenmill(
     )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": workload.prompts[0][:32]}], warm, use_tqdm=False)
+    return llm
+
+
+def run_tokenmill(llm, workload: Workload) -> tuple[float, int]:
+    from tokenmill import SamplingParams
+
+    # Nothing may come from the prefix cache: not the warm-up prompt, not an earlier round.
+    llm.reset_prefix_cache()
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
     ]
@@ -79,7 +87,9 @@ def run_tokenmill(
     expected = sum(workload.output_lens)
     if generated != expected:
         raise RuntimeError(f"tokenmill generated {generated} tokens, expected {expected}")
-    llm.shutdown()
+    cached = sum(o.num_cached_tokens for o in outputs)
+    if cached:
+        raise RuntimeError(f"{cached} prompt tokens came from the prefix cache")
     return elapsed, generated
 
 
@@ -204,11 +214,14 @@ def main() -> None:
         hf_model = load_hf(args, model_path, device, dtype)
     times: dict[str, list[float]] = {name: [] for name in names}
     tokens = sum(workload.output_lens)
+    engines = [start_tokenmill(args, workload, multiprocess=mode == "mp") for mode in modes]
     for _ in range(args.rounds):
-        for mode, name in zip(modes, names):
-            times[name].append(run_tokenmill(args, workload, multiprocess=mode == "mp")[0])
+        for llm, name in zip(engines, names):
+            times[name].append(run_tokenmill(llm, workload)[0])
         if hf_model is not None:
             times["hf transformers"].append(run_hf(hf_model, workload, device)[0])
+    for llm in engines:
+        llm.shutdown()
 
     best = {name: min(ts) for name, ts in times.items()}
     base = tokens / best["hf transformers"] if args.compare else None

@@ -35,7 +35,8 @@ class Sampler:
             logits = logits.clone()  # the caller's logits stay as they were
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
-        greedy_tokens = logits.argmax(dim=-1)
+        # max() finds the first maximum like argmax(), and is faster on the CPU.
+        greedy_tokens = logits.max(dim=-1).indices
         if meta.all_greedy:
             return greedy_tokens
         greedy = meta.temperature == 0.0

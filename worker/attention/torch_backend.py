@@ -140,11 +140,11 @@ class TorchAttentionBackend(AttentionBackend):
                 v = value_blocks.index_select(0, span.block_ids).flatten(0, 1)[:s]
                 q_pos = torch.arange(s - n, s, device=q.device)
                 mask = torch.arange(s, device=q.device)[None, :] <= q_pos[:, None]
-            # Repeating the KV heads (instead of enable_gqa) keeps SDPA on its fused path.
-            k = k.transpose(0, 1).repeat_interleave(group_size, dim=0).unsqueeze(0)
-            v = v.transpose(0, 1).repeat_interleave(group_size, dim=0).unsqueeze(0)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            # enable_gqa stays on the fused CPU kernel (bitwise equal to repeating the KV
+            # heads, without the copies).
             o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
             out[span.start : span.end] = o[0].transpose(0, 1)
         return out
