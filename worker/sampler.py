@@ -30,12 +30,15 @@ class Sampler:
         self.generator = generator  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        # max() finds the first maximum like argmax(), and is faster on the CPU.
+        if meta.all_greedy and not meta.banned_token_ids:
+            # Upcasting is exact: 16-bit logits have the argmax of their fp32 copy.
+            return logits.max(dim=-1).indices
         logits = logits.float()
         if meta.banned_token_ids:
             logits = logits.clone()  # the caller's logits stay as they were
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
-        # max() finds the first maximum like argmax(), and is faster on the CPU.
         greedy_tokens = logits.max(dim=-1).indices
         if meta.all_greedy:
             return greedy_tokens
