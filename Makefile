@@ -30,7 +30,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) scripts/bench_throughput.py --compare hf
+	$(PY) scripts/bench_throughput.py --compare hf --rounds 3
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
