@@ -13,7 +13,9 @@ from it. `--rounds N` times every engine N times, alternating (tokenmill, HF, to
 ...), and reports each engine's best time next to every round's time: on a shared machine
 whose speed drifts by 10-20% from minute to minute, alternating rounds compare the engines
 under the same conditions, and rounds after the first measure both warm (HF's allocator has
-its memory, tokenmill's KV blocks have been touched).
+its memory, tokenmill's KV blocks have been touched). An in-process engine (`--mode inproc`)
+tunes this process's malloc (see `keep_freed_memory` in worker/worker.py), which then also
+spares HF page faults; the default `mp` mode leaves this process as it is.
 
     python scripts/bench_throughput.py --compare hf
     python scripts/bench_throughput.py --compare hf --rounds 2
