@@ -73,7 +73,7 @@ def start_tokenmill(args: argparse.Namespace, workload: Workload, multiprocess: 
     return llm
 
 
-def run_tokenmill(llm, workload: Workload) -> tuple[float, int]:
+def run_tokenmill(llm, workload: Workload) -> float:
     from tokenmill import SamplingParams
 
     # Nothing may come from the prefix cache: not the warm-up prompt, not an earlier round.
@@ -92,7 +92,7 @@ def run_tokenmill(llm, workload: Workload) -> tuple[float, int]:
     cached = sum(o.num_cached_tokens for o in outputs)
     if cached:
         raise RuntimeError(f"{cached} prompt tokens came from the prefix cache")
-    return elapsed, generated
+    return elapsed
 
 
 def load_hf(args: argparse.Namespace, model_path: str, device: str, dtype: str):
@@ -219,7 +219,7 @@ def main() -> None:
     engines = [start_tokenmill(args, workload, multiprocess=mode == "mp") for mode in modes]
     for _ in range(args.rounds):
         for llm, name in zip(engines, names):
-            times[name].append(run_tokenmill(llm, workload)[0])
+            times[name].append(run_tokenmill(llm, workload))
         if hf_model is not None:
             times["hf transformers"].append(run_hf(hf_model, workload, device)[0])
     for llm in engines:
