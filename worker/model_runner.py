@@ -31,9 +31,11 @@ class ModelRunner:
         self.device = device
         self.dtype = getattr(torch, config.model_config.dtype)
         self.block_size = config.cache_config.block_size
-        max_seqs = config.scheduler_config.max_num_seqs
+        # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
         self.attn_backend = (
-            TorchAttentionBackend(max_seqs) if device.type == "cuda" else TorchAttentionBackend()
+            TorchAttentionBackend(decode_group_bytes=None)
+            if device.type == "cuda"
+            else TorchAttentionBackend()
         )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -49,39 +51,27 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         assert self.model is not None
+        self.attn_backend.set_block_bytes(
+            max(spec.page_size_bytes for spec in self.get_kv_cache_specs())
+        )
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            cache = torch.empty(
+            # Zeroed, as vLLM does: attention reads whole blocks, including slots not yet
+            # written (masked out, but NaN garbage would survive the masking), and on the CPU
+            # the memory is committed here rather than page by page in the middle of steps.
+            cache = torch.zeros(
                 (num_blocks, 2, self.block_size, attn.num_kv_heads, attn.head_size),
                 dtype=self.dtype,
                 device=self.device,
             )
             attn.kv_cache = cache
             self.kv_caches.append(cache)
-        # Attention reads whole blocks, including slots not yet written, so a block must hold
-        # finite values before its first use: it is zeroed then, unless that first step
-        # writes all of it. Block 0 is the null block that pads block tables.
-        self.block_ready = np.zeros(num_blocks, dtype=bool)
-        self._prepare_blocks(np.array([0]), np.array([], dtype=np.int64))
         self.input_batch = InputBatch(
             self.config.scheduler_config.max_num_seqs,
             max_model_len,
             self.block_size,
             self.config.model_config.vocab_size,
         )
-
-    def _prepare_blocks(self, block_ids: np.ndarray, slot_mapping: np.ndarray) -> None:
-        ids = block_ids[~self.block_ready[block_ids]]
-        if len(ids) == 0:
-            return
-        self.block_ready[ids] = True
-        written, counts = np.unique(slot_mapping // self.block_size, return_counts=True)
-        ids = np.setdiff1d(ids, written[counts == self.block_size])
-        if len(ids) == 0:
-            return
-        index = torch.from_numpy(ids).to(self.device)
-        for cache in self.kv_caches:
-            cache.index_fill_(0, index, 0.0)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -141,10 +131,6 @@ class ModelRunner:
         input_ids = batch.token_ids[token_rows, positions]
         bs = self.block_size
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
-        new_block_ids = [b for new in out.scheduled_new_reqs for b in new.block_ids]
-        new_block_ids += [b for ids in out.scheduled_cached_reqs.new_block_ids for b in ids]
-        if new_block_ids:
-            self._prepare_blocks(np.array(new_block_ids, dtype=np.int64), slot_mapping)
 
         attn_inputs = StepAttentionInputs(
             num_decodes=int(np.count_nonzero(query_lens == 1)),

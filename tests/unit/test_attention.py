@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.reference import paged_attention, write_kv_cache
 from tokenmill.worker.attention.base import StepAttentionInputs
-from tokenmill.worker.attention.torch_backend import CPU_DECODE_GROUP_SIZE, TorchAttentionBackend
+from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
 
 
 def make_batch(query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size, seed=0):
@@ -50,12 +50,14 @@ def make_batch(query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size
     return tables, cache, slot_mapping, block_table, g
 
 
+@pytest.mark.parametrize("group_blocks", [None, 12])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_torch_backend_matches_reference(heads: int, kv_heads: int) -> None:
+def test_torch_backend_matches_reference(heads: int, kv_heads: int, group_blocks) -> None:
     block_size, head_size, num_blocks = 4, 16, 200
-    # Decodes first (more than one group, with ragged contexts), then prefill chunks with and
-    # without earlier context.
-    num_decodes = CPU_DECODE_GROUP_SIZE + 3
+    # Decodes first (in unsorted, ragged contexts of up to 10 blocks: with a 12-block group
+    # limit they form groups of one to three), then prefill chunks with and without earlier
+    # context.
+    num_decodes = 19
     rng = np.random.default_rng(0)
     query_lens = [1] * num_decodes + [7, 5, 1 + 2]
     seq_lens = list(rng.integers(1, 40, num_decodes)) + [7, 23, 12]
@@ -72,7 +74,11 @@ def test_torch_backend_matches_reference(heads: int, kv_heads: int) -> None:
     write_kv_cache(ref_cache, k, v, torch.from_numpy(slot_mapping))
     expected = paged_attention(q, ref_cache, tables, seq_lens, query_lens, scale)
 
-    backend = TorchAttentionBackend()
+    page_bytes = 2 * block_size * kv_heads * head_size * 4
+    backend = TorchAttentionBackend(
+        decode_group_bytes=None if group_blocks is None else group_blocks * page_bytes
+    )
+    backend.set_block_bytes(page_bytes)
     meta = backend.build_metadata(
         StepAttentionInputs(
             num_decodes=num_decodes,
@@ -85,9 +91,19 @@ def test_torch_backend_matches_reference(heads: int, kv_heads: int) -> None:
             dtype=torch.float32,
         )
     )
+    if group_blocks is None:
+        assert len(meta.decode_groups) == 1
+    else:
+        assert len(meta.decode_groups) > 3
+        assert all(gr.size * gr.num_blocks <= group_blocks for gr in meta.decode_groups)
+    assert sum(gr.size for gr in meta.decode_groups) == num_decodes
+    first_cache = cache.clone()
     out = backend.forward(q, k, v, cache, meta, scale)
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # A second layer reuses the scratch copies of the first.
+    again = backend.forward(q, k, v, first_cache, meta, scale)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 
 def test_reference_matches_dense_causal_attention() -> None:

@@ -2,12 +2,13 @@
 
 New K/V are written into the layer's cache through flat slot indices. Decodes are batched in
 consecutive groups (the model runner orders them by context length, so a group's lengths are
-close): one `index_select` for K and one for V gather every group's blocks (whole blocks,
-padded with the null block), then each group runs one SDPA call in which the query heads
-that share a KV head play the role of query rows. Prefill chunks run
-one request at a time; a chunk with no earlier context attends to its own K/V directly.
-The model runner guarantees that every block it hands us was zeroed before first use, so
-padded reads never meet uninitialised memory.
+close): for each group one `index_select` for K and one for V copy its requests' blocks
+(whole blocks, padded with the null block) into scratch buffers, then one SDPA call attends,
+with the query heads that share a KV head playing the role of query rows. On the CPU a
+group's copies are kept small enough to stay in the core caches until SDPA reads them (see
+CPU_DECODE_GROUP_BYTES); on a GPU all decodes go in one group. Prefill chunks run one
+request at a time; a chunk with no earlier context attends to its own K/V directly.
+The KV cache is zeroed when it is allocated, so padded reads never meet non-finite values.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import torch.nn.functional as F
 
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 
-# Decodes per SDPA call on the CPU: groups of requests with similar context length keep the
-# padding (up to the longest context in the group) small while the number of calls stays
-# low. On a GPU padding is cheap and every call costs launches, so all decodes go in one.
-CPU_DECODE_GROUP_SIZE = 16
+# Bytes of K plus V one decode group may copy out of the cache on the CPU. Copying every
+# decode's context at once and then attending reads it from DRAM twice more (write, read
+# back); a group this small is still in L2 when SDPA reads it. Measured for SmolLM2 (24 KiB
+# blocks, 64 decodes of 150-384 tokens, 2 AVX-512 cores): 2 MiB groups take the decode
+# attention from 120-140 ms to 90-95 ms per step; 1 request per group is slower than
+# either (too few heads to keep both threads busy).
+CPU_DECODE_GROUP_BYTES = 2 << 20
 
 
 @dataclass
@@ -31,7 +35,7 @@ class DecodeGroup:
     start: int  # first decode (= token) of the group in the flattened batch
     size: int
     num_blocks: int  # blocks per request in this group (its longest context, rounded up)
-    block_offset: int  # where the group's blocks start in the step's gathered blocks
+    block_ids: torch.Tensor  # [size * num_blocks] the group's block table rows, back to back
     mask: torch.Tensor  # [size, 1, 1, num_blocks * block_size]: 0 attended, -inf padding
 
 
@@ -47,14 +51,27 @@ class PrefillSpan:
 class TorchAttentionMetadata:
     write_k_idx: torch.Tensor  # [T] rows of the flat cache view that take the new keys
     write_v_idx: torch.Tensor
-    decode_block_ids: torch.Tensor | None  # every group's blocks, back to back
     decode_groups: list[DecodeGroup]
+    max_group_blocks: int  # the most blocks one decode group copies
     prefills: list[PrefillSpan]
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, decode_group_size: int = CPU_DECODE_GROUP_SIZE) -> None:
-        self.decode_group_size = decode_group_size
+    def __init__(self, decode_group_bytes: int | None = CPU_DECODE_GROUP_BYTES) -> None:
+        """decode_group_bytes: K+V bytes one decode group may copy (None: one group)."""
+        self.decode_group_bytes = decode_group_bytes
+        self.block_bytes = 0  # K+V of one block in one layer; set by set_block_bytes
+        self._scratch: torch.Tensor | None = None  # reused copies of a group's K/V blocks
+
+    def set_block_bytes(self, block_bytes: int) -> None:
+        """The KV cache's page size, which sizes the decode groups."""
+        self.block_bytes = block_bytes
+
+    def _group_limit(self) -> int | None:
+        """The most blocks one decode group may copy, None for no limit."""
+        if self.decode_group_bytes is None or not self.block_bytes:
+            return None
+        return max(1, self.decode_group_bytes // self.block_bytes)
 
     def build_metadata(self, inputs: StepAttentionInputs) -> TorchAttentionMetadata:
         bs, device = inputs.block_size, inputs.device
@@ -64,24 +81,28 @@ class TorchAttentionBackend(AttentionBackend):
         write_k = torch.from_numpy((slots // bs) * (2 * bs) + slots % bs).to(device)
 
         nd = inputs.num_decodes
-        groups, group_blocks = [], []
-        offset = 0
-        for first in range(0, nd, self.decode_group_size):
-            size = min(self.decode_group_size, nd - first)
-            seq_lens = inputs.seq_lens[first : first + size]
-            max_blocks = -(-int(seq_lens.max()) // bs)
-            group_blocks.append(inputs.block_table[first : first + size, :max_blocks].reshape(-1))
-            valid = np.arange(max_blocks * bs)[None, :] < seq_lens[:, None]
+        ctx_blocks = -(-inputs.seq_lens[:nd] // bs)
+        limit = self._group_limit()
+        groups = []
+        first = 0
+        while first < nd:
+            # Grow the group while its padded copy fits the limit (at least one request).
+            size, width = 1, int(ctx_blocks[first])
+            while first + size < nd:
+                wider = max(width, int(ctx_blocks[first + size]))
+                if limit is not None and (size + 1) * wider > limit:
+                    break
+                size, width = size + 1, wider
+            rows = slice(first, first + size)
+            ids = inputs.block_table[rows, :width].reshape(-1).astype(np.int64)
+            valid = np.arange(width * bs)[None, :] < inputs.seq_lens[rows, None]
             # Additive float mask built once per step (SDPA would convert a boolean one in
             # every layer).
             mask = np.where(valid, 0.0, -np.inf).astype(np.float32)
             mask_t = torch.from_numpy(mask).to(device, inputs.dtype)[:, None, None, :]
-            groups.append(DecodeGroup(first, size, max_blocks, offset, mask_t))
-            offset += size * max_blocks
-        decode_block_ids = None
-        if groups:
-            ids = np.concatenate(group_blocks).astype(np.int64)
-            decode_block_ids = torch.from_numpy(ids).to(device)
+            groups.append(DecodeGroup(first, size, width, torch.from_numpy(ids).to(device), mask_t))
+            first += size
+        max_group_blocks = max((g.size * g.num_blocks for g in groups), default=0)
 
         prefills = []
         start = nd
@@ -95,7 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
                 ).to(device)
             prefills.append(PrefillSpan(start, start + q_len, seq_len, block_ids))
             start += q_len
-        return TorchAttentionMetadata(write_k, write_k + bs, decode_block_ids, groups, prefills)
+        return TorchAttentionMetadata(write_k, write_k + bs, groups, max_group_blocks, prefills)
 
     def forward(
         self,
@@ -116,14 +137,14 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         group_size = query.shape[1] // num_kv_heads
         if metadata.decode_groups:
-            # [blocks, bs, kvh, d] copies of every decode's context, group after group.
-            k_all = key_blocks.index_select(0, metadata.decode_block_ids)
-            v_all = value_blocks.index_select(0, metadata.decode_block_ids)
+            k_scratch, v_scratch = self._scratch_blocks(kv_cache, metadata.max_group_blocks)
         for group in metadata.decode_groups:
-            g, first = group.size, group.start
-            rows = slice(group.block_offset, group.block_offset + g * group.num_blocks)
-            k = k_all[rows].view(g, -1, num_kv_heads, head_size).transpose(1, 2)
-            v = v_all[rows].view(g, -1, num_kv_heads, head_size).transpose(1, 2)
+            g, first, n = group.size, group.start, group.size * group.num_blocks
+            # [n, bs, kvh, d] copies of the group's contexts, viewed as [g, kvh, len, d].
+            k = torch.index_select(key_blocks, 0, group.block_ids, out=k_scratch[:n])
+            v = torch.index_select(value_blocks, 0, group.block_ids, out=v_scratch[:n])
+            k = k.view(g, -1, num_kv_heads, head_size).transpose(1, 2)
+            v = v.view(g, -1, num_kv_heads, head_size).transpose(1, 2)
             # One query token per request: the heads sharing a KV head act as query rows.
             q = query[first : first + g].reshape(g, num_kv_heads, group_size, head_size)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
@@ -148,3 +169,24 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[span.start : span.end] = o[0].transpose(0, 1)
         return out
+
+    def _scratch_blocks(
+        self, kv_cache: torch.Tensor, num_blocks: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for num_blocks K blocks and as many V blocks. With bounded groups it is kept
+        between layers and steps (and grows to the largest group seen); with one unbounded
+        group it lives for the step only."""
+        shape = (2, num_blocks, *kv_cache.shape[2:])
+        if self._group_limit() is None:
+            buf = kv_cache.new_empty(shape)
+            return buf[0], buf[1]
+        buf = self._scratch
+        if (
+            buf is None
+            or buf.shape[1] < num_blocks
+            or buf.shape[2:] != shape[2:]
+            or buf.dtype != kv_cache.dtype
+            or buf.device != kv_cache.device
+        ):
+            buf = self._scratch = kv_cache.new_empty(shape)
+        return buf[0], buf[1]
