@@ -9,6 +9,8 @@ fully computed, and sample. Owns the model, the KV cache tensors and the sampler
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import numpy as np
 import torch
@@ -56,13 +58,12 @@ class ModelRunner:
         )
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            # Zeroed, as vLLM does: attention reads whole blocks, including slots not yet
-            # written (masked out, but NaN garbage would survive the masking), and on the CPU
-            # the memory is committed here rather than page by page in the middle of steps.
-            cache = torch.zeros(
+            # Zeroed: attention reads whole blocks, including slots not yet written (masked
+            # out, but NaN garbage would survive the masking).
+            cache = zeroed_tensor(
                 (num_blocks, 2, self.block_size, attn.num_kv_heads, attn.head_size),
-                dtype=self.dtype,
-                device=self.device,
+                self.dtype,
+                self.device,
             )
             attn.kv_cache = cache
             self.kv_caches.append(cache)
@@ -163,6 +164,21 @@ class ModelRunner:
             for i, token in zip(np.flatnonzero(done).tolist(), tokens.tolist()):
                 sampled_ids[i] = [token]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids)
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, except that on the CPU the memory is a private anonymous mapping: the
+    kernel hands out zero-filled pages on first touch, so a cache of several GiB costs no
+    memset at start and no RAM until its blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the mapping alive; it is unmapped when the tensor is freed.
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def _profile_sampling_metadata(rows: int, device: torch.device) -> SamplingMetadata:
