@@ -167,18 +167,24 @@ class ModelRunner:
 
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, except that on the CPU the memory is a private anonymous mapping: the
-    kernel hands out zero-filled pages on first touch, so a cache of several GiB costs no
-    memset at start and no RAM until its blocks are used."""
+    """torch.zeros; on the CPU, memory the kernel zero-fills and commits at once.
+
+    A private anonymous mapping needs no memset pass, and advised for transparent huge
+    pages it is faulted in 2 MiB at a time (about twice as fast as torch.zeros for a 5.5 GiB
+    cache here). Committing it now keeps page faults out of the steps: left lazy, a decode
+    step's K/V writes reach a fresh 4 KiB page every few tokens of every request."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # The tensor keeps the mapping alive; it is unmapped when the tensor is freed.
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps the mapping alive
+    raw[:: mmap.PAGESIZE].zero_()  # one write per page commits it
+    return raw.view(dtype).view(shape)
 
 
 def _profile_sampling_metadata(rows: int, device: torch.device) -> SamplingMetadata:
