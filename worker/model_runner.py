@@ -175,8 +175,7 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     step's K/V writes reach a fresh 4 KiB page every few tokens of every request."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)

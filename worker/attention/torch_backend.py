@@ -60,18 +60,15 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, decode_group_bytes: int | None = CPU_DECODE_GROUP_BYTES) -> None:
         """decode_group_bytes: K+V bytes one decode group may copy (None: one group)."""
         self.decode_group_bytes = decode_group_bytes
-        self.block_bytes = 0  # K+V of one block in one layer; set by set_block_bytes
+        # The most blocks one decode group may copy (None: no limit); set_block_bytes sets it.
+        self.decode_group_blocks: int | None = None
         self._scratch: torch.Tensor | None = None  # reused copies of a group's K/V blocks
 
     def set_block_bytes(self, block_bytes: int) -> None:
-        """The KV cache's page size, which sizes the decode groups."""
-        self.block_bytes = block_bytes
-
-    def _group_limit(self) -> int | None:
-        """The most blocks one decode group may copy, None for no limit."""
-        if self.decode_group_bytes is None or not self.block_bytes:
-            return None
-        return max(1, self.decode_group_bytes // self.block_bytes)
+        """The KV cache's page size (K+V of one block in one layer), which sizes the decode
+        groups."""
+        if self.decode_group_bytes is not None:
+            self.decode_group_blocks = max(1, self.decode_group_bytes // block_bytes)
 
     def build_metadata(self, inputs: StepAttentionInputs) -> TorchAttentionMetadata:
         bs, device = inputs.block_size, inputs.device
@@ -82,7 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
 
         nd = inputs.num_decodes
         ctx_blocks = -(-inputs.seq_lens[:nd] // bs)
-        limit = self._group_limit()
+        limit = self.decode_group_blocks
         groups = []
         first = 0
         while first < nd:
@@ -177,7 +174,7 @@ class TorchAttentionBackend(AttentionBackend):
         between layers and steps (and grows to the largest group seen); with one unbounded
         group it lives for the step only."""
         shape = (2, num_blocks, *kv_cache.shape[2:])
-        if self._group_limit() is None:
+        if self.decode_group_blocks is None:
             buf = kv_cache.new_empty(shape)
             return buf[0], buf[1]
         buf = self._scratch
