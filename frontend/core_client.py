@@ -68,7 +68,6 @@ class EngineCoreClient(ABC):
         return SyncMPClient(config) if multiprocess else InprocClient(config)
 
     @abstractmethod
-    @abstractmethod
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """Submits requests together (one message to a core in another process)."""
 

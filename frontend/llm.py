@@ -82,6 +82,8 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
         return self._run(prompts, params_list, priorities, use_tqdm)
 
     def chat(

@@ -35,6 +35,10 @@ def _check(ok: bool, name: str, value: Any, expected: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model: where it lives, how it runs, and its architecture as config.json gives it.
+
+    config.json is read here and nowhere else; the models are built from these fields."""
+
     model: str  # local folder with config.json + weights
     tokenizer: str
     dtype: str  # "float32" | "float16" | "bfloat16"
@@ -43,17 +47,23 @@ class ModelConfig:
     architecture: str
     vocab_size: int
     hidden_size: int
+    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_kv_heads: int
     head_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    # rope_type ("default", "linear", "llama3"), rope_theta and the type's own parameters.
+    rope_parameters: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v and o (Qwen2's q/k/v bias is its class's)
+    mlp_bias: bool = False
     skip_tokenizer_init: bool = False
-
-    @property
-    def hf_config_path(self) -> Path:
-        return Path(self.model) / "config.json"
 
 
 @dataclass(frozen=True)
@@ -289,14 +299,33 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
         architecture=architectures[0],
         vocab_size=text["vocab_size"],
         hidden_size=hidden,
+        intermediate_size=text["intermediate_size"],
         num_hidden_layers=text["num_hidden_layers"],
         num_attention_heads=heads,
         num_kv_heads=text.get("num_key_value_heads") or heads,
         head_size=text.get("head_dim") or hidden // heads,
         max_position_embeddings=max_pos,
         eos_token_ids=_eos_token_ids(Path(path), text),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        hidden_act=text.get("hidden_act", "silu"),
+        rope_parameters=_rope_parameters(text),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        attention_bias=bool(text.get("attention_bias", False)),
+        mlp_bias=bool(text.get("mlp_bias", False)),
         skip_tokenizer_init=args.skip_tokenizer_init,
     )
+
+
+def _rope_parameters(text: dict[str, Any]) -> dict[str, Any]:
+    """Transformers 5 keeps rope settings under `rope_parameters`; older configs use
+    `rope_theta` and `rope_scaling`."""
+    params = dict(text.get("rope_parameters") or {})
+    if not params:
+        params = dict(text.get("rope_scaling") or {})
+        params.setdefault("rope_theta", text.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params["rope_theta"] = float(params.get("rope_theta", 10000.0))
+    return params
 
 
 def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:

@@ -21,8 +21,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):  # type: ignore
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
-    # Tokens already produced: a preempted request is dropped by the workers and comes back
-    # as new, with its outputs so far.
+    # Tokens already produced: a preempted request comes back as new, with its outputs so far.
     output_token_ids: list[int] = []
 
 
@@ -39,8 +38,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignor
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # Requests that ended or were preempted since the last step: workers drop their state.
+    # Requests that ended since the last step: workers drop their state.
     finished_req_ids: list[str] = []
+    # Requests preempted since the last step: workers drop their state too; each comes back
+    # later as a new request carrying the tokens it had produced.
+    preempted_req_ids: list[str] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]

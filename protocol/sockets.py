@@ -13,8 +13,6 @@ import os
 import stat
 from urllib.parse import urlsplit
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-
 
 def split_address(address: str) -> tuple[str, str]:
     """The (input, output) socket addresses behind one engine address."""

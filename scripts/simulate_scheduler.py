@@ -84,6 +84,7 @@ def make_config(num_blocks: int, block_size: int, budget: int, max_num_seqs: int
         architecture="none",
         vocab_size=VOCAB,
         hidden_size=1,
+        intermediate_size=1,
         num_hidden_layers=1,
         num_attention_heads=1,
         num_kv_heads=1,

@@ -8,11 +8,14 @@ ones get their new block ids and progress. The runner appends each sampled token
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
 from tokenmill.protocol.messages import SamplingParams
 from tokenmill.protocol.scheduler_output import NewRequestData, SchedulerOutput
+from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.sampler import SamplingMetadata
 
 
@@ -20,10 +23,8 @@ class InputBatch:
     def __init__(
         self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int
     ) -> None:
-        self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = cdiv(max_model_len, block_size)
         # One spare column: a request at max_model_len still appends its last sampled token.
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
@@ -42,7 +43,7 @@ class InputBatch:
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def apply(self, out: SchedulerOutput) -> None:
-        for req_id in out.finished_req_ids:
+        for req_id in itertools.chain(out.finished_req_ids, out.preempted_req_ids):
             row = self.row_of.pop(req_id, None)
             if row is not None:
                 self.generators.pop(row, None)

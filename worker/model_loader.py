@@ -1,17 +1,19 @@
 """Builds the model for this rank and fills its weights.
 
 `load_format="auto"` streams safetensors tensor by tensor through each parameter's
-`weight_loader` (which slices the rank's shard), so tensor parallelism never holds the full
-model twice; fused q/k/v and gate/up parameters are filled shard by shard through the model's
-`packed_modules_mapping`. `load_format="dummy"` gives random weights of the right shapes.
+`weight_loader`. The loaders receive a `CheckpointTensor`, which reads from the file only the
+slice a loader asks for (`narrow`), so a tensor-parallel rank reads its own shard and never
+holds the full model; fused q/k/v and gate/up parameters are filled shard by shard through the
+model's `packed_modules_mapping`. `load_format="dummy"` gives random weights of the right
+shapes (drawn per rank, so they differ between tensor-parallel sizes).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Union
 
 import torch
 from safetensors import safe_open
@@ -26,16 +28,34 @@ from tokenmill.worker.models import get_model_class
 logger = logging.getLogger(__name__)
 
 
+class CheckpointTensor:
+    """One tensor of an open safetensors file, read only when (and as far as) it is asked for."""
+
+    def __init__(self, file: Any, name: str) -> None:
+        self._slice = file.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Reads rows [start, start + length) of dimension `dim`, and nothing else."""
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+Loaded = Union[torch.Tensor, CheckpointTensor]
+
+
 def get_model(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> nn.Module:
     model_config = config.model_config
-    hf_config = json.loads(model_config.hf_config_path.read_text())
-    hf_config = hf_config.get("text_config", hf_config)
     dtype = getattr(torch, model_config.dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with device:
-            model = get_model_class(model_config.architecture)(hf_config, backend)
+            model = get_model_class(model_config.architecture)(model_config, backend)
     finally:
         torch.set_default_dtype(previous)
     if config.load_config.load_format == "dummy":
@@ -56,17 +76,17 @@ def _store_weights_input_major(model: nn.Module) -> None:
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder} (load_format='auto')")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f, name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, Loaded]]) -> None:
     params = dict(model.named_parameters())
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)

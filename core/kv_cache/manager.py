@@ -13,6 +13,7 @@ from __future__ import annotations
 from tokenmill.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.kv_cache.hashing import extend_block_hashes
 from tokenmill.core.request import Request
+from tokenmill.protocol.utils import cdiv
 
 
 class KVCacheManager:
@@ -65,7 +66,7 @@ class KVCacheManager:
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
         total_tokens = request.num_computed_tokens + num_new_tokens
-        num_needed = -(-total_tokens // self.block_size) - len(blocks)
+        num_needed = cdiv(total_tokens, self.block_size) - len(blocks)
         added: list[KVCacheBlock] = []
         if computed_blocks:
             num_needed -= len(computed_blocks)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tokenmill.protocol.config import CacheConfig
 from tokenmill.protocol.scheduler_output import KVCacheSpec
+from tokenmill.protocol.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def compute_kv_cache_sizing(
 def _too_small_message(
     max_model_len: int, block_size: int, bytes_per_block: int, available_bytes: int
 ) -> str:
-    blocks = -(-max_model_len // block_size) + 1  # + the null block
+    blocks = cdiv(max_model_len, block_size) + 1  # + the null block
     needed = blocks * bytes_per_block
     return (
         f"The KV cache needs {needed} bytes ({needed / _GIB:.3f} GiB) to hold one request of "

@@ -46,8 +46,9 @@ class Scheduler:
         # Under the priority policy, kept sorted by (priority, arrival): the last one is always
         # the one to preempt, under both policies.
         self.running: list[Request] = []
-        # Ended or preempted since the last step; the workers drop these on the next one.
+        # Ended, or preempted, since the last step; the workers drop these on the next one.
         self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------------------- requests
@@ -86,14 +87,34 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        budget, preempted = self._schedule_running(num_scheduled, cached)
+        # A step that had to preempt admits nobody: the pool is already short.
+        if not preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=list(self.finished_req_ids),
+            preempted_req_ids=list(self.preempted_req_ids),
+        )
+        self.finished_req_ids = set()
+        self.preempted_req_ids = set()
+        return output
+
+    def _schedule_running(
+        self, num_scheduled: dict[str, int], cached: CachedRequestData
+    ) -> tuple[int, bool]:
+        """Running requests first: a decode needs one token, a chunked prompt its next chunk.
+        Preempts from the back of `running` while blocks are short. Returns the budget left
+        and whether anything was preempted."""
+        budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
         preempted = False
-
-        # Running requests first: a decode needs one token, a chunked prompt its next chunk.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -109,20 +130,22 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            req_id = request.request_id
-            num_scheduled[req_id] = num_new
+            num_scheduled[request.request_id] = num_new
             budget -= num_new
-            cached.req_ids.append(req_id)
+            cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(request.num_computed_tokens)
             request.num_computed_tokens += num_new
             i += 1
+        return budget, preempted
 
-        # Then waiting ones, from their prefix-cache hit on. A step that had to preempt admits
-        # nobody: the pool is already short.
-        while not preempted and len(self.waiting) and budget > 0:
-            if len(self.running) >= self.max_num_seqs:
-                break
+    def _schedule_waiting(
+        self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
+    ) -> int:
+        """Then waiting ones, in queue order, each from its prefix-cache hit on, while the
+        budget, max_num_seqs and the free blocks allow. Returns the budget left."""
+        kv = self.kv_cache_manager
+        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             request.num_computed_tokens = num_hit_tokens
@@ -154,16 +177,7 @@ class Scheduler:
                 )
             )
             request.num_computed_tokens += num_new
-
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            finished_req_ids=list(self.finished_req_ids),
-        )
-        self.finished_req_ids = set()
-        return output
+        return budget
 
     def _add_running(self, request: Request) -> None:
         if self.policy == "fcfs":
@@ -187,7 +201,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.requeue(request)
-        self.finished_req_ids.add(request.request_id)
+        self.preempted_req_ids.add(request.request_id)
 
     # ------------------------------------------------------------------------------ outputs
     def update_from_output(

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.reference import paged_attention, write_kv_cache
+from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import StepAttentionInputs
 from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
 
@@ -17,11 +18,11 @@ def make_batch(query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size
     """Random block tables (disjoint blocks, never block 0) and K/V for earlier positions
     already in the cache. Returns everything both implementations need."""
     g = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    max_blocks = max(cdiv(s, block_size) for s in seq_lens)
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     tables = []
     for s in seq_lens:
-        n = -(-s // block_size)
+        n = cdiv(s, block_size)
         tables.append([perm.pop() for _ in range(n)])
     cache = torch.zeros(num_blocks, 2, block_size, kv_heads, head_size)
     # Earlier context lives in the cache already.

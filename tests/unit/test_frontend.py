@@ -4,6 +4,7 @@ validation, and resolution of the default model's names."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -84,4 +85,16 @@ def test_engine_config_defaults(smollm2_path: str) -> None:
     assert config.model_config.max_model_len == 8192
     assert config.model_config.eos_token_ids == (2,)
     assert config.model_config.num_kv_heads == 3 and config.model_config.head_size == 64
+    # The architecture, parsed once from config.json, is what the model is built from.
+    assert config.model_config.intermediate_size == 1536
+    assert config.model_config.tie_word_embeddings
+    assert config.model_config.rope_parameters == {"rope_theta": 100000.0, "rope_type": "default"}
+
+
+def test_legacy_rope_settings_are_read_into_rope_parameters() -> None:
+    folder = Path(__file__).parents[2] / "scripts" / "configs" / "qwen2.5-0.5b"
+    config = EngineArgs(model=str(folder), device="cpu").create_engine_config()
+    model = config.model_config
+    assert model.rope_parameters == {"rope_theta": 1000000.0, "rope_type": "default"}
+    assert model.architecture == "Qwen2ForCausalLM" and model.num_kv_heads == 2
     assert config.scheduler_config.enable_chunked_prefill

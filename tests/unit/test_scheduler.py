@@ -40,6 +40,7 @@ def make_scheduler(
         architecture="LlamaForCausalLM",
         vocab_size=100,
         hidden_size=8,
+        intermediate_size=8,
         num_hidden_layers=1,
         num_attention_heads=1,
         num_kv_heads=1,
@@ -145,6 +146,8 @@ def test_preemption_frees_the_last_admitted_and_resumes_it() -> None:
     out, _ = step(s)  # both need a 3rd block: only one is free, so b (admitted last) goes
     assert out.num_scheduled_tokens == {a.request_id: 1}
     assert s.num_preemptions == 1 and b.status == RequestStatus.PREEMPTED
+    # The workers learn of it as preempted, not as finished.
+    assert out.preempted_req_ids == [b.request_id] and out.finished_req_ids == []
     assert s.waiting.peek() is b and b.num_computed_tokens == 0
     assert s.kv_cache_manager.get_block_ids(b.request_id) == []
     # a finishes; b comes back as a new request carrying the output it already had.
@@ -153,7 +156,7 @@ def test_preemption_frees_the_last_admitted_and_resumes_it() -> None:
     (resumed,) = out.scheduled_new_reqs
     assert resumed.req_id == b.request_id and resumed.output_token_ids == [7]
     assert out.num_scheduled_tokens == {b.request_id: 9}
-    assert b.request_id in out.finished_req_ids or a.request_id in out.finished_req_ids
+    assert out.finished_req_ids == [a.request_id] and out.preempted_req_ids == []
 
 
 def test_stop_rules_and_finish_reasons() -> None:

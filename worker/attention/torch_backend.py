@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 
 # Bytes of K plus V one decode group may copy out of the cache on the CPU. Copying every
@@ -78,7 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
         write_k = torch.from_numpy((slots // bs) * (2 * bs) + slots % bs).to(device)
 
         nd = inputs.num_decodes
-        ctx_blocks = -(-inputs.seq_lens[:nd] // bs)
+        ctx_blocks = cdiv(inputs.seq_lens[:nd], bs)
         limit = self.decode_group_blocks
         groups = []
         first = 0
@@ -107,7 +108,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_len, seq_len = int(inputs.query_lens[r]), int(inputs.seq_lens[r])
             block_ids = None
             if seq_len > q_len:
-                num_blocks = -(-seq_len // bs)
+                num_blocks = cdiv(seq_len, bs)
                 block_ids = torch.from_numpy(
                     inputs.block_table[r, :num_blocks].astype(np.int64)
                 ).to(device)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.protocol.utils import cdiv
+from tokenmill.worker.layers.linear import Loaded
 from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -19,22 +21,23 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.vocab_size = vocab_size
-        self.vocab_per_rank = -(-vocab_size // self.tp_size)
+        self.vocab_per_rank = cdiv(vocab_size, self.tp_size)
         self.vocab_start = self.tp_rank * self.vocab_per_rank
         self.weight = nn.Parameter(
             torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded) -> None:
         if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
             raise ValueError(
                 f"checkpoint embedding has shape {tuple(loaded.shape)}, expected "
                 f"({self.vocab_size}, {param.shape[1]})"
             )
-        shard = loaded[self.vocab_start : self.vocab_start + self.vocab_per_rank]
+        # The last rank's slice may run past the vocabulary: its padding rows stay zero.
+        rows = max(min(self.vocab_per_rank, self.vocab_size - self.vocab_start), 0)
         param.data.zero_()
-        param.data[: shard.shape[0]].copy_(shard)
+        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

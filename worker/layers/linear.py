@@ -4,16 +4,25 @@ Column-parallel layers split the output features across ranks, row-parallel ones
 features (followed by an all-reduce). `QKVParallelLinear` and `MergedColumnParallelLinear`
 fuse several checkpoint tensors (q/k/v, gate/up) into one matmul; their `weight_loader` takes
 a shard id and copies the checkpoint tensor into its slice. The model loader calls
-`param.weight_loader(param, tensor[, shard_id])` for each tensor as it streams the checkpoint.
+`param.weight_loader(param, loaded[, shard_id])` for each tensor as it streams the checkpoint;
+`loaded` is a tensor or a lazily read `CheckpointTensor`, and loaders `narrow` it to their
+rank's shard before anything is read.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_loader import CheckpointTensor
+
+Loaded = Union[torch.Tensor, "CheckpointTensor"]
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -24,12 +33,12 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def default_weight_loader(param: torch.Tensor, loaded: Loaded) -> None:
     if param.shape != loaded.shape:
         raise ValueError(
             f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
         )
-    param.data.copy_(loaded)
+    param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.load())
 
 
 class LinearBase(nn.Module):
@@ -45,23 +54,15 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _shard(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+    def _shard(self, param: nn.Parameter, loaded: Loaded) -> Loaded:
         dim = self.tp_dim
         if dim is None or self.tp_size == 1 or (param.dim() == 1 and dim == 1):
             return loaded
         size = param.shape[dim]
         return loaded.narrow(dim, self.tp_rank * size, size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded) -> None:
         default_weight_loader(param, self._shard(param, loaded))
-
-
-class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias, tp_dim=None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -81,7 +82,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+        self, param: nn.Parameter, loaded: Loaded, shard_id: int | None = None
     ) -> None:
         if shard_id is None:
             raise ValueError("a merged linear layer loads one shard at a time")
@@ -112,7 +113,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, out, bias)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+        self, param: nn.Parameter, loaded: Loaded, shard_id: str | None = None
     ) -> None:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size

@@ -35,17 +35,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """Transformers 5 keeps rope settings under `rope_parameters`; older configs use
-    `rope_theta` and `rope_scaling`."""
-    params = dict(hf_config.get("rope_parameters") or {})
-    if not params:
-        params = dict(hf_config.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return params
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()

@@ -1,19 +1,19 @@
 """The Llama family: Llama and SmolLM2 (tied embeddings), Mistral, Qwen2 (q/k/v bias) and
 Qwen3 (per-head q/k RMSNorm, explicit head_dim).
 
-Built from the HF config.json dict; module and parameter names follow HF's so that the
-loader maps checkpoint names directly, except q/k/v and gate/up, which are fused
-(`packed_modules_mapping`). `forward(input_ids, positions)` takes the flattened batch and
-returns hidden states; `compute_logits` runs the LM head on the rows that get sampled.
+Built from the typed `ModelConfig` (config.json is parsed once, in protocol/config.py);
+module and parameter names follow HF's so that the loader maps checkpoint names directly,
+except q/k/v and gate/up, which are fused (`packed_modules_mapping`). `forward(input_ids,
+positions)` takes the flattened batch and returns hidden states; `compute_logits` runs the LM
+head on the rows that get sampled.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
+from tokenmill.protocol.config import ModelConfig
 from tokenmill.worker.attention.base import AttentionBackend
 from tokenmill.worker.layers.activation import SiluAndMul
 from tokenmill.worker.layers.attention import Attention
@@ -24,24 +24,26 @@ from tokenmill.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tokenmill.worker.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from tokenmill.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: dict[str, Any], backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
+        self, config: ModelConfig, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
-        hidden = config["hidden_size"]
-        num_heads = config["num_attention_heads"]
-        num_kv_heads = config.get("num_key_value_heads") or num_heads
-        self.head_size = config.get("head_dim") or hidden // num_heads
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, num_heads, num_kv_heads, qkv_bias)
+        hidden, self.head_size = config.hidden_size, config.head_size
+        num_heads = config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_size, num_heads, config.num_kv_heads, qkv_bias
+        )
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        o_bias = bool(config.get("attention_bias", False))  # Qwen2's qkv bias leaves o_proj bare
-        self.o_proj = RowParallelLinear(num_heads * self.head_size, hidden, bias=o_bias)
-        eps = config.get("rms_norm_eps", 1e-6)
+        # Qwen2's q/k/v bias leaves o_proj bare.
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_size, hidden, bias=config.attention_bias
+        )
+        eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_size, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, eps) if qk_norm else None
         self.attn = Attention(
@@ -61,14 +63,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        hidden, inter = config["hidden_size"], config["intermediate_size"]
-        bias = bool(config.get("mlp_bias", False))
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], config.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=config.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,14 +78,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: dict[str, Any], backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
+        self, config: ModelConfig, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
-        eps = config.get("rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(config, backend, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -104,19 +104,18 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: dict[str, Any], backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
+        self, config: ModelConfig, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend, qkv_bias, qk_norm)
-            for _ in range(config["num_hidden_layers"])
+            for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One table for every layer: all layers rotate by the same positions.
-        head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         self.rotary_emb = RotaryEmbedding(
-            head_size, config.get("max_position_embeddings", 2048), rope_parameters(config)
+            config.head_size, config.max_position_embeddings, config.rope_parameters
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -141,12 +140,12 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: dict[str, Any], backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        qkv_bias = self.qkv_bias or bool(config.get("attention_bias", False))
+        qkv_bias = self.qkv_bias or config.attention_bias
         self.model = LlamaModel(config, backend, qkv_bias, self.qk_norm)
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"])
+        self.tie_word_embeddings = config.tie_word_embeddings
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
