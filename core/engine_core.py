@@ -2,8 +2,9 @@
 
 Start-up follows vLLM's order: executor (workers load the model) -> KV cache sizing -> the
 scheduler. `step()` runs one schedule -> execute -> update cycle and returns the outputs that
-the clients turn into RequestOutputs. The InprocClient calls it directly; the engine-core
-process wraps it in a socket loop.
+the clients turn into RequestOutputs; a step that raises is logged with a summary of what it
+was running, then re-raised (the engine is dead). The InprocClient calls it directly; the
+engine-core process wraps it in a socket loop.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tokenmill.protocol.messages import (
     EngineCoreRequest,
     FinishReason,
 )
+from tokenmill.protocol.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,11 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.executor = Executor.get_class(config)(config)
-        self.kv_sizing = self._initialize_kv_cache(config)
+        try:
+            self.kv_sizing = self._initialize_kv_cache(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.config = config.with_max_model_len(self.kv_sizing.max_model_len)
         self.scheduler = Scheduler(self.config, self.kv_sizing.num_blocks)
         self._rejected: list[EngineCoreOutput] = []
@@ -47,11 +53,17 @@ class EngineCore:
             model.max_model_len,
             model.max_position_embeddings,
         )
-        self.executor.initialize_kv_cache(sizing.num_blocks, sizing.max_model_len)
+        # The workers get the config as settled here (max_model_len after auto-fit).
+        settled = config.with_max_model_len(sizing.max_model_len)
+        self.executor.initialize_kv_cache(settled, sizing.num_blocks)
         return sizing
 
     # ------------------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.scheduler.requests:
+            # An error output under this id would end the live request at its client.
+            logger.warning("ignored a second request with the live id %r", request.request_id)
+            return
         error = self._validate(request)
         if error is not None:
             logger.warning("rejected request %s: %s", request.request_id, error)
@@ -68,8 +80,6 @@ class EngineCore:
 
     def _validate(self, request: EngineCoreRequest) -> str | None:
         model = self.config.model_config
-        if request.request_id in self.scheduler.requests:
-            return f"request_id {request.request_id!r} is already in use"
         n = len(request.prompt_token_ids)
         if n == 0:
             return "prompt_token_ids is empty"
@@ -92,7 +102,11 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs=rejected, timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception:
+            logger.exception("the step failed; it ran %s", summarize(scheduler_output))
+            raise
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.outputs.extend(rejected)
         self._stats.record(self, scheduler_output.total_num_scheduled_tokens, outputs)
@@ -115,6 +129,7 @@ class EngineCore:
         }
 
     def check_health(self) -> bool:
+        self.executor.check_health()
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -123,6 +138,21 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def summarize(out: SchedulerOutput) -> str:
+    """One line on what a step ran, for the log of a step that failed."""
+    new = [
+        (r.req_id, len(r.prompt_token_ids), r.num_computed_tokens) for r in out.scheduled_new_reqs
+    ]
+    cached = out.scheduled_cached_reqs
+    return (
+        f"{out.total_num_scheduled_tokens} tokens for {len(out.num_scheduled_tokens)} requests; "
+        f"new (id, prompt tokens, cached tokens): {new[:8]}{' ...' if len(new) > 8 else ''}; "
+        f"running: {len(cached.req_ids)} (first {cached.req_ids[:8]}); tokens per request: "
+        f"{dict(list(out.num_scheduled_tokens.items())[:16])}; finished {out.finished_req_ids}, "
+        f"preempted {out.preempted_req_ids}"
+    )
 
 
 class _StepStats:

@@ -7,6 +7,12 @@ step. Two ROUTER sockets are bound: input (clients' DEALERs send requests) and o
 same DEALER identities receive their own requests' outputs). A frame that does not decode is
 logged and dropped; it never stops the core. Started by a multiprocess client (spawned) or by
 the `engine-core` daemon.
+
+Clients that go away lose their requests: a client whose output socket is gone (seen when an
+output to it cannot be delivered), or, for a daemon, one that sends no heartbeat for
+CLIENT_TIMEOUT_S, has its requests aborted and their blocks freed. A step that raises, or
+workers that die, kill the engine: every client is sent the cause (ENGINE_DEAD), the workers
+are stopped, and the process exits.
 """
 
 from __future__ import annotations
@@ -19,10 +25,9 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
-import psutil
 import zmq
 
 from tokenmill.core.engine_core import EngineCore
@@ -32,6 +37,7 @@ from tokenmill.protocol.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineDead,
     Hello,
     OutputType,
     Ready,
@@ -40,6 +46,7 @@ from tokenmill.protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
+from tokenmill.protocol.process import close_sockets, remove_dir, watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +58,13 @@ _DECODERS = {
     RequestType.ABORT: Decoder(list[str]),
     RequestType.UTILITY: Decoder(UtilityCall),
 }
+# Events the core's own threads put on the input queue (never sent by a client).
+_CLIENT_GONE = b"client-gone"
+_WORKERS_DEAD = b"workers-dead"
+
+CLIENT_TIMEOUT_S = 5.0  # a daemon's client that sends nothing for this long is gone
+_IDLE_WAKE_S = 1.0  # an idle loop still looks for silent clients this often
+_DEAD_LINGER_MS = 1000  # how long the last messages get to leave a dying core
 
 
 class EngineCoreProc:
@@ -72,34 +86,48 @@ class EngineCoreProc:
         self.output_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.output_socket.bind(output_address)
         self.clients: set[bytes] = set()
+        # When each client was last heard from; only a daemon times its clients out (a
+        # spawned core has one client, and exits with it).
+        self.last_seen: dict[bytes, float] = {}
+        self.client_timeout = CLIENT_TIMEOUT_S if parent_pid is None else None
+        self.next_client_check = 0.0
         self.request_owner: dict[str, bytes] = {}
         self.startup_error: str | None = None
         self.core: EngineCore | None = None
+        self.stopped = False
         threading.Thread(target=self._input_loop, daemon=True, name="core-input").start()
-        threading.Thread(target=self._output_loop, daemon=True, name="core-output").start()
-        if parent_pid is not None:
-            threading.Thread(
-                target=_exit_with_parent, args=(parent_pid,), daemon=True, name="core-watchdog"
-            ).start()
+        self.output_thread = threading.Thread(
+            target=self._output_loop, daemon=True, name="core-output"
+        )
+        self.output_thread.start()
         try:
             self.core = EngineCore(config)
         except Exception as e:  # answered to every client that says hello
             logger.exception("engine core failed to start")
             self.startup_error = f"{type(e).__name__}: {e}"
+            return
+        self.core.executor.register_failure_callback(
+            lambda cause: self.input_queue.put((b"", _WORKERS_DEAD, cause))
+        )
 
     # --------------------------------------------------------------------------- threads
     def _input_loop(self) -> None:
         while True:
             try:
                 frames = self.input_socket.recv_multipart(copy=False)
-            except zmq.ZMQError:
+            except zmq.ZMQError:  # the context is terminating: the owner closes its socket
+                self.input_socket.close(linger=0)
                 return
-            if len(frames) < 3:
+            if len(frames) < 2:
                 logger.warning("dropped a message with %d frames", len(frames))
                 continue
             identity, kind = frames[0].bytes, frames[1].bytes
+            if identity in self.clients:
+                self.last_seen[identity] = time.monotonic()
+            if kind == RequestType.HEARTBEAT:
+                continue
             decoder = _DECODERS.get(kind)
-            if decoder is None:
+            if decoder is None or len(frames) < 3:
                 logger.warning("dropped a message of unknown type %r", kind[:8])
                 continue
             try:
@@ -114,6 +142,7 @@ class EngineCoreProc:
         while True:
             item = self.output_queue.get()
             if item is None:
+                self.output_socket.close(linger=_DEAD_LINGER_MS)
                 return
             identity, kind, payload = item
             frames = [identity, kind, *encoder.encode(payload)]
@@ -131,7 +160,7 @@ class EngineCoreProc:
                     if attempt + 1 < attempts:
                         time.sleep(0.01)
             else:
-                logger.warning("client %s is gone; dropped its %r message", identity.hex(), kind)
+                self.input_queue.put((identity, _CLIENT_GONE, "its output socket is gone"))
 
     def _send(self, identity: bytes, kind: bytes, payload: Any) -> None:
         self.output_queue.put((identity, kind, payload))
@@ -141,18 +170,26 @@ class EngineCoreProc:
         if self.startup_error is not None:
             self._refuse_hellos(seconds=3.0)
             return
+        core = self.core
+        assert core is not None
         while True:
-            core = self.core
-            busy = core is not None and core.has_unfinished_requests()
-            if not busy:
-                self._handle(*self.input_queue.get())  # idle: block, no spinning
+            if not core.has_unfinished_requests():
+                try:  # idle: block, no spinning
+                    self._handle(*self.input_queue.get(timeout=_IDLE_WAKE_S))
+                except queue.Empty:
+                    pass
             while True:
                 try:
                     self._handle(*self.input_queue.get_nowait())
                 except queue.Empty:
                     break
-            if core is not None and core.has_unfinished_requests():
-                self._route(core.step())
+            self._drop_silent_clients()
+            if core.has_unfinished_requests():
+                try:
+                    outputs = core.step()
+                except Exception as e:  # logged with the step's summary by EngineCore
+                    self._die(f"{type(e).__name__}: {e}")
+                self._route(outputs)
 
     def _refuse_hellos(self, seconds: float) -> None:
         """After a failed start: answer waiting clients with the error, then stop."""
@@ -167,6 +204,11 @@ class EngineCoreProc:
         time.sleep(0.2)  # let the output thread send
 
     def _handle(self, identity: bytes, kind: bytes, payload: Any) -> None:
+        if kind == _WORKERS_DEAD:
+            self._die(payload)
+        if kind == _CLIENT_GONE:
+            self._drop_client(identity, payload)
+            return
         if kind == RequestType.HELLO:
             self._hello(identity, payload)
             return
@@ -177,8 +219,18 @@ class EngineCoreProc:
         # client's identity, so that two clients may use the same id.
         if kind == RequestType.ADD:
             for request in payload:
-                request.request_id = _scoped(identity, request.request_id)
-                self.request_owner[request.request_id] = identity
+                scoped = _scoped(identity, request.request_id)
+                if scoped in self.request_owner:
+                    # Refused without a reply: any output under this id would reach the live
+                    # request's stream.
+                    logger.warning(
+                        "client %s reused the live request id %r; ignored the second request",
+                        identity.hex(),
+                        request.request_id,
+                    )
+                    continue
+                request.request_id = scoped
+                self.request_owner[scoped] = identity
                 self.core.add_request(request)
         elif kind == RequestType.ABORT:
             scoped = [_scoped(identity, req_id) for req_id in payload]
@@ -204,6 +256,7 @@ class EngineCoreProc:
             return
         assert self.core is not None
         self.clients.add(identity)
+        self.last_seen[identity] = time.monotonic()
         ready = Ready(PROTOCOL_VERSION, self.core.config, self.core.kv_sizing.num_blocks)
         self._send(identity, OutputType.READY, ready)
 
@@ -229,21 +282,60 @@ class EngineCoreProc:
         for identity, outs in per_client.items():
             self._send(identity, OutputType.OUTPUTS, EngineCoreOutputs(outs, outputs.timestamp))
 
+    # ----------------------------------------------------------------- clients and death
+    def _drop_silent_clients(self) -> None:
+        now = time.monotonic()
+        if self.client_timeout is None or now < self.next_client_check:
+            return
+        self.next_client_check = now + _IDLE_WAKE_S
+        for identity in list(self.clients):
+            silent = now - self.last_seen.get(identity, now)
+            if silent > self.client_timeout:
+                self._drop_client(identity, f"no heartbeat for {silent:.1f} s")
+
+    def _drop_client(self, identity: bytes, reason: str) -> None:
+        """Forgets a client that is gone and aborts its requests, freeing their blocks."""
+        if identity not in self.clients:
+            return
+        self.clients.discard(identity)
+        self.last_seen.pop(identity, None)
+        orphans = [req_id for req_id, owner in self.request_owner.items() if owner == identity]
+        for req_id in orphans:
+            del self.request_owner[req_id]
+        if self.core is not None:
+            self.core.abort_requests(orphans)
+        logger.warning(
+            "client %s is gone (%s); aborted its %d requests", identity.hex(), reason, len(orphans)
+        )
+
+    def _die(self, cause: str) -> NoReturn:
+        """Tells every client why the engine is dead, stops the workers and exits."""
+        logger.error("engine core is dead: %s", cause)
+        for identity in self.clients:
+            self._send(identity, OutputType.ENGINE_DEAD, EngineDead(cause))
+        self.shutdown()
+        os._exit(1)
+
+    def shutdown(self) -> None:
+        """Lets queued messages out (bounded), closes the sockets and stops the workers."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already on the way out
+        self.output_queue.put(None)
+        self.output_thread.join(2.0)
+        # The input thread closes its socket when the context terminates under it.
+        close_sockets(self.ctx, [], linger_ms=_DEAD_LINGER_MS)
+        if self.core is not None:
+            self.core.shutdown()
+
 
 _SCOPE_LEN = 17  # 16 hex digits of the client's 8-byte identity, then "/"
 
 
 def _scoped(identity: bytes, request_id: str) -> str:
     return f"{identity.hex():0>16.16}/{request_id}"
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """A spawned core must not outlive the process that started it."""
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid or not psutil.pid_exists(parent_pid):
-            logger.error("parent process %d is gone; engine core exits", parent_pid)
-            os._exit(1)
 
 
 def run_engine_core(
@@ -255,10 +347,26 @@ def run_engine_core(
 ) -> None:
     """Process entry point (spawned by a client or run by the engine-core daemon)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    proc = EngineCoreProc(config, input_address, output_address, parent_pid, auth_token)
-    proc.run()
-    os._exit(1)  # run() returns only after a failed start
+
+    def terminate(*_: Any) -> None:
+        raise SystemExit(0)  # unwinds the engine loop into the shutdown below
+
+    signal.signal(signal.SIGTERM, terminate)
+    if parent_pid is not None:
+        # A spawned core must not outlive the process that started it, nor leave its
+        # private socket directory behind.
+        ipc_dir = os.path.dirname(input_address[6:]) if input_address.startswith("ipc://") else None
+        watch_parent(parent_pid, "engine core", lambda: remove_dir(ipc_dir))
+    proc = None
+    try:
+        proc = EngineCoreProc(config, input_address, output_address, parent_pid, auth_token)
+        proc.run()
+    except SystemExit:
+        logger.info("engine core stopping")
+    finally:
+        if proc is not None:
+            proc.shutdown()
+    os._exit(0 if proc is not None and proc.startup_error is None else 1)
 
 
 def main() -> None:

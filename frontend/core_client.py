@@ -3,19 +3,20 @@
 `InprocClient` builds the EngineCore in the caller's process and steps it directly (for
 debugging and the torchrun external launcher). `SyncMPClient` spawns an engine-core process
 and talks to it over ZeroMQ with msgspec frames: requests go out on a DEALER socket, and a
-background thread receives outputs and utility results. If the core process dies, every
-pending and later call raises `EngineDeadError` instead of hanging.
+background thread receives outputs and utility results and sends a heartbeat every second.
+If the core dies (it says why in a last message, or its process or connection is seen gone),
+every pending and later call raises `EngineDeadError` instead of hanging. Shutting down
+never waits without a deadline, also when it runs as a garbage collector's finalizer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import queue
-import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,6 +33,7 @@ from tokenmill.protocol.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineDead,
     Hello,
     OutputType,
     Ready,
@@ -40,6 +42,7 @@ from tokenmill.protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
+from tokenmill.protocol.process import close_sockets, remove_dir, start_module, stop_processes
 from tokenmill.protocol.sockets import split_address
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,8 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0  # loading a model (and converting the default one) takes a while
 CONNECT_TIMEOUT_S = 30.0  # a running daemon answers a hello at once
 RECONNECT_TIMEOUT_S = 60.0  # how long a reconnecting client waits for a restarted daemon
+UTILITY_TIMEOUT_S = 60.0  # a utility call (get_stats, ...) that gets no answer fails
+HEARTBEAT_INTERVAL_S = 1.0  # well inside the daemon's CLIENT_TIMEOUT_S
 
 
 class EngineDeadError(RuntimeError):
@@ -79,7 +84,8 @@ class EngineCoreClient(ABC):
         """The next batch of outputs (one engine step's worth)."""
 
     @abstractmethod
-    def call_utility(self, method: str, *args: Any) -> Any: ...
+    def call_utility(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> Any:
+        """Runs an EngineCore utility (get_stats, ...) and returns its result."""
 
     @abstractmethod
     def shutdown(self) -> None: ...
@@ -111,7 +117,7 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> Any:
         return getattr(self.engine_core, method)(*args)
 
     def shutdown(self) -> None:
@@ -170,20 +176,34 @@ class SyncMPClient(EngineCoreClient):
         self.utility_results: dict[int, queue.Queue[UtilityResult | BaseException]] = {}
         self.call_ids = itertools.count()
         self.dead: str | None = None
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.ctx, self.ipc_dir)
+        self.stop_thread = stop_thread = threading.Event()
+        threads: list[threading.Thread] = []
+        # The finalizer holds the sockets themselves: by the time a garbage collector runs
+        # it, the context's own (weak) list of them is already cleared.
+        sockets = [self.input_socket, self.output_socket, self.monitor]
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.proc, self.ctx, sockets, self.ipc_dir, stop_thread, threads
+        )
         self.ready = self._handshake(auth_token, timeout)
         self._decoders = {
             OutputType.OUTPUTS: Decoder(EngineCoreOutputs),
             OutputType.UTILITY_RESULT: Decoder(UtilityResult),
+            OutputType.ENGINE_DEAD: Decoder(EngineDead),
         }
         self._poller = zmq.Poller()
         self._poller.register(self.output_socket, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
+        self.next_heartbeat = 0.0
         # The thread holds the client only weakly, so that dropping the last reference to it
         # still shuts the engine core down.
-        threading.Thread(
-            target=_output_thread, args=(weakref.ref(self),), daemon=True, name="mp-client-output"
-        ).start()
+        thread = threading.Thread(
+            target=_output_thread,
+            args=(weakref.ref(self), stop_thread),
+            daemon=True,
+            name="mp-client-output",
+        )
+        threads.append(thread)
+        thread.start()
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -214,13 +234,16 @@ class SyncMPClient(EngineCoreClient):
 
     def _receive_once(self) -> bool:
         """One turn of the output thread: waits up to 200 ms for a message from the core and
-        hands it over. False once the thread should end."""
+        hands it over, sending a heartbeat when one is due. False once the thread should end.
+        The sockets it polls are closed only after it has ended."""
         if self.dead is not None:
             return False
-        try:
-            ready = dict(self._poller.poll(200))
-        except zmq.ZMQError:
-            return False  # closed by shutdown()
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + HEARTBEAT_INTERVAL_S
+            with self.send_lock, contextlib.suppress(zmq.Again):
+                self.input_socket.send(RequestType.HEARTBEAT, zmq.NOBLOCK)
+        ready = dict(self._poller.poll(200))
         if self.monitor in ready:
             self.monitor.recv_multipart()
             if self.reconnect and self._reconnect(self._decoders):
@@ -238,9 +261,12 @@ class SyncMPClient(EngineCoreClient):
             if decoder is None:
                 return True
             message = decoder.decode([f.buffer for f in frames])
-        except (zmq.ZMQError, DecodeError, ValueError) as e:
+        except (DecodeError, ValueError) as e:
             logger.warning("dropped a message from the engine core: %s", e)
             return True
+        if isinstance(message, EngineDead):
+            self._die(f"the engine core died: {message.cause}")
+            return False
         if isinstance(message, UtilityResult):
             waiter = self.utility_results.get(message.call_id)
             if waiter is not None:
@@ -272,7 +298,7 @@ class SyncMPClient(EngineCoreClient):
         deadline = time.monotonic() + RECONNECT_TIMEOUT_S
         poller = zmq.Poller()
         poller.register(self.output_socket, zmq.POLLIN)
-        while time.monotonic() < deadline and self.dead is None:
+        while time.monotonic() < deadline and self.dead is None and not self.stop_thread.is_set():
             self._send(RequestType.HELLO, Hello(PROTOCOL_VERSION, self.auth_token))
             if not poller.poll(1000):
                 continue
@@ -334,14 +360,27 @@ class SyncMPClient(EngineCoreClient):
             raise result
         return result
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        self._check_alive()
+    def call_utility(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> Any:
         call_id = next(self.call_ids)
         waiter: queue.Queue[UtilityResult | BaseException] = queue.Queue()
+        # Registered before the liveness check: a death after it reaches this waiter, and
+        # one before it is caught by the check (or, at the latest, by the polls below).
         self.utility_results[call_id] = waiter
         try:
+            self._check_alive()
             self._send(RequestType.UTILITY, UtilityCall(call_id, method, list(args)))
-            result = waiter.get()
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    result = waiter.get(timeout=min(0.5, max(deadline - time.monotonic(), 0)))
+                    break
+                except queue.Empty:
+                    self._check_alive()
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(
+                            f"{method} got no answer from the engine core at {self.address} "
+                            f"within {timeout:.0f} s"
+                        ) from None
         finally:
             del self.utility_results[call_id]
         if isinstance(result, BaseException):
@@ -356,8 +395,8 @@ class SyncMPClient(EngineCoreClient):
         self._finalizer()
 
 
-def _output_thread(client_ref: weakref.ref[SyncMPClient]) -> None:
-    while True:
+def _output_thread(client_ref: weakref.ref[SyncMPClient], stop: threading.Event) -> None:
+    while not stop.is_set():
         client = client_ref()
         if client is None or not client._receive_once():
             return
@@ -381,32 +420,32 @@ def _continuation(request: EngineCoreRequest, produced: list[int]) -> EngineCore
 
 def _spawn_core(config: EngineConfig, input_address: str, output_address: str) -> subprocess.Popen:
     # A fresh interpreter running the core's module: unlike multiprocessing's spawn it never
-    # re-imports the caller's __main__. The config goes over stdin as JSON.
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenmill.core.engine_core_proc",
-            f"--input-address={input_address}",
-            f"--output-address={output_address}",
-            f"--parent-pid={os.getpid()}",
-        ],
-        stdin=subprocess.PIPE,
-    )
-    assert proc.stdin is not None
-    proc.stdin.write(msgspec.json.encode(config))
-    proc.stdin.close()
-    return proc
+    # re-imports the caller's __main__.
+    args = [
+        f"--input-address={input_address}",
+        f"--output-address={output_address}",
+        f"--parent-pid={os.getpid()}",
+    ]
+    return start_module("tokenmill.core.engine_core_proc", args, config)
 
 
-def _shutdown(proc: subprocess.Popen | None, ctx: zmq.Context, ipc_dir: str | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    ctx.destroy(linger=0)
-    if ipc_dir is not None:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+def _shutdown(
+    proc: subprocess.Popen | None,
+    ctx: zmq.Context,
+    sockets: list,
+    ipc_dir: str | None,
+    stop_thread: threading.Event,
+    threads: list[threading.Thread],
+) -> None:
+    """Stops the output thread, which owns the sockets it polls (it finishes its turn: a
+    200 ms poll, or a 1 s reconnect attempt), and a spawned core (SIGTERM: it stops its
+    workers; SIGKILL after 5 s), then closes this client's sockets and removes the private
+    socket directory. Runs once: from shutdown(), garbage collection or interpreter exit."""
+    stop_thread.set()
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(2.0)
+    if proc is not None:
+        stop_processes([proc], timeout=5.0)
+    close_sockets(ctx, sockets)
+    remove_dir(ipc_dir)

@@ -43,7 +43,10 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(known)}")
-        if multiprocess is None:
+        if kwargs.get("distributed_executor_backend") == "external_launcher":
+            # Under torchrun this process is one rank: its engine core runs right here.
+            multiprocess = False
+        elif multiprocess is None:
             multiprocess = envs.TOKENMILL_MULTIPROC
         token = auth_token if auth_token is not None else envs.TOKENMILL_AUTH_TOKEN
         if engine_address is not None:

@@ -121,7 +121,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 # ---------------------------------------------------------------- engine-core process wire
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class RequestType:
@@ -131,6 +131,7 @@ class RequestType:
     ADD = b"A"
     ABORT = b"X"
     UTILITY = b"U"
+    HEARTBEAT = b"B"  # no body: the client is alive (a daemon drops clients that go quiet)
 
 
 class OutputType:
@@ -140,6 +141,7 @@ class OutputType:
     STARTUP_ERROR = b"E"
     OUTPUTS = b"O"
     UTILITY_RESULT = b"U"
+    ENGINE_DEAD = b"D"  # the core's last message: it is dying, and why
 
 
 class Hello(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
@@ -158,6 +160,10 @@ class Ready(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignor
 
 class StartupError(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     message: str
+
+
+class EngineDead(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    cause: str
 
 
 class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]

@@ -51,8 +51,11 @@ class ModelRunner:
         assert self.model is not None
         return [a.kv_cache_spec(self.block_size, self.dtype) for a in self.model.attention_layers()]
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+    def initialize_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
+        """Allocates the cache under the config as the core settled it (its max_model_len
+        sizes the persistent batch)."""
         assert self.model is not None
+        self.config = config
         self.attn_backend.set_block_bytes(
             max(spec.page_size_bytes for spec in self.get_kv_cache_specs())
         )
@@ -68,8 +71,8 @@ class ModelRunner:
             attn.kv_cache = cache
             self.kv_caches.append(cache)
         self.input_batch = InputBatch(
-            self.config.scheduler_config.max_num_seqs,
-            max_model_len,
+            config.scheduler_config.max_num_seqs,
+            config.model_config.max_model_len,
             self.block_size,
             self.config.model_config.vocab_size,
         )

@@ -1,17 +1,41 @@
 """This worker's place in the tensor-parallel group, and the collectives the layers use.
 
-Set once by the Worker (`init_tensor_parallel`); read by the parallel layers while they are
-built and run. With one rank every collective is the identity and torch.distributed is never
-touched.
+Set once by the Worker (`init_distributed`, then `init_tensor_parallel`); read by the parallel
+layers while they are built and run. With one rank every collective is the identity and
+torch.distributed is never touched.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
+# How long a rank waits for the others, to join the group or inside one collective.
+DIST_TIMEOUT_S = 300
+
 _TP_RANK = 0
 _TP_SIZE = 1
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> None:
+    """Joins the torch.distributed group (unless the caller, under torchrun say, already
+    did); every rank waits here for the others, up to DIST_TIMEOUT_S."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"torch.distributed is initialized with world size {dist.get_world_size()}, "
+                f"but tensor_parallel_size={world_size}"
+            )
+        return
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=DIST_TIMEOUT_S),
+    )
 
 
 def init_tensor_parallel(rank: int, world_size: int) -> None:

@@ -1,7 +1,9 @@
-"""The Worker: one tensor-parallel rank. Sets up its device, loads its shard of the model,
-reports how much memory the KV cache may take, allocates it, and runs steps.
+"""The Worker: one tensor-parallel rank. Sets up its device (and its place in the
+torch.distributed group), loads its shard of the model, reports how much memory the KV cache
+may take, allocates it, and runs steps.
 
-Every public method here is reachable through `Executor.collective_rpc`.
+Every public method here is reachable through `Executor.collective_rpc`; in a worker process
+(worker/worker_proc.py) arguments and results are decoded by these methods' annotations.
 """
 
 from __future__ import annotations
@@ -18,16 +20,28 @@ from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_runner import ModelRunner
-from tokenmill.worker.parallel_state import init_tensor_parallel
+from tokenmill.worker.parallel_state import init_distributed, init_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int, local_rank: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        local_rank: int,
+        local_world_size: int = 1,
+        distributed_init_method: str = "env://",
+    ) -> None:
+        """`local_world_size`: ranks on this host, which share its cores and (on the CPU) its
+        KV cache budget. `distributed_init_method`: how torch.distributed finds the other
+        ranks when tensor_parallel_size > 1."""
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
+        self.local_world_size = local_world_size
+        self.distributed_init_method = distributed_init_method
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
 
@@ -35,9 +49,16 @@ class Worker:
         if self.config.device_config.device == "cuda":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
-        elif envs.TOKENMILL_CPU_MALLOC_TUNING:
-            keep_freed_memory()
-        init_tensor_parallel(self.rank, self.config.parallel_config.tensor_parallel_size)
+        else:
+            if envs.TOKENMILL_CPU_MALLOC_TUNING:
+                keep_freed_memory()
+            # Ranks on one host split its cores (torch's default count is all of them).
+            torch.set_num_threads(max(1, torch.get_num_threads() // self.local_world_size))
+        world_size = self.config.parallel_config.tensor_parallel_size
+        if world_size > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            init_distributed(self.rank, world_size, self.distributed_init_method, backend)
+        init_tensor_parallel(self.rank, world_size)
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
 
@@ -52,17 +73,21 @@ class Worker:
     def determine_available_memory(self) -> int:
         """Bytes this rank can give to its KV cache.
 
-        CPU: `kv_cache_memory_bytes`, else TOKENMILL_CPU_KV_FRACTION (default 0.25) of the
-        RAM psutil reports available. CUDA: `kv_cache_memory_bytes`, else profile the largest
-        step and take `total * gpu_memory_utilization` minus the peak torch allocation
+        CPU: the host's budget, `kv_cache_memory_bytes` or else TOKENMILL_CPU_KV_FRACTION
+        (default 0.25) of the RAM psutil reports available, split evenly among the ranks on
+        this host. CUDA (per GPU, as in vLLM): `kv_cache_memory_bytes`, else profile the
+        largest step and take `total * gpu_memory_utilization` minus the peak torch allocation
         (weights + activations) and minus memory held outside torch (the CUDA context, other
         processes).
         """
         cache = self.config.cache_config
+        if self.device.type == "cpu":
+            budget = cache.kv_cache_memory_bytes
+            if budget is None:
+                budget = int(psutil.virtual_memory().available * envs.TOKENMILL_CPU_KV_FRACTION)
+            return budget // self.local_world_size
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
-        if self.device.type == "cpu":
-            return int(psutil.virtual_memory().available * envs.TOKENMILL_CPU_KV_FRACTION)
         assert self.model_runner is not None
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -83,13 +108,25 @@ class Worker:
         )
         return max(available, 0)
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+    def initialize_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
+        """Takes the config as the core settled it (max_model_len after auto-fit) and
+        allocates `num_blocks` blocks in every layer."""
         assert self.model_runner is not None
-        self.model_runner.initialize_kv_cache(num_blocks, max_model_len)
+        self.config = config
+        self.model_runner.initialize_kv_cache(config, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None
         return self.model_runner.execute_model(scheduler_output)
+
+    def describe_shards(self) -> dict[str, list[int]]:
+        """The shape of every parameter this rank holds, and of one layer's KV cache under
+        "kv_cache" (for checks that each rank holds only its share)."""
+        assert self.model_runner is not None and self.model_runner.model is not None
+        shapes = {name: list(p.shape) for name, p in self.model_runner.model.named_parameters()}
+        if self.model_runner.kv_caches:
+            shapes["kv_cache"] = list(self.model_runner.kv_caches[0].shape)
+        return shapes
 
 
 # glibc mallopt parameters

@@ -69,12 +69,15 @@ def test_dead_core_fails_open_streams(engine: AsyncLLM) -> None:
     long_run = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
     async def main() -> None:
+        streaming = [asyncio.Event() for _ in range(3)]
+
         async def consume(i: int) -> None:
             async for _ in engine.generate({"prompt_token_ids": [5 + i] * 10}, long_run):
-                pass
+                streaming[i].set()
 
         tasks = [asyncio.create_task(consume(i)) for i in range(3)]
-        await asyncio.sleep(1.0)
+        # Killed as soon as every stream is under way (900 tokens take far longer).
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), timeout=30.0)
         os.kill(engine.client.proc.pid, signal.SIGKILL)
         results = await asyncio.wait_for(
             asyncio.gather(*tasks, return_exceptions=True), timeout=5.0

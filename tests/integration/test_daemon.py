@@ -219,9 +219,12 @@ def test_reconnecting_client_survives_a_daemon_restart(tiny_model) -> None:
 
         thread = threading.Thread(target=run)
         thread.start()
-        time.sleep(1.5)
-        assert thread.is_alive(), "generation ended before the daemon was killed"
+        # Killed once generation is under way (16 x 900 tokens take far longer).
+        deadline = time.monotonic() + 30
+        while llm.get_stats()["num_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(first.pid, signal.SIGKILL)
+        assert thread.is_alive(), "generation ended before the daemon was killed"
         first.wait(10)
         command = [
             sys.executable, "-m", "tokenmill.core.daemon", "--model", str(path),

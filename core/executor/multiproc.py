@@ -1,0 +1,298 @@
+"""MultiprocExecutor: one worker process per tensor-parallel rank, on this host.
+
+Workers are fresh interpreters (`python -m tokenmill.worker.worker_proc`) that load their
+shards concurrently and report ready, or the error that stopped them, within a deadline. Each
+`collective_rpc` call is encoded once and pushed to every rank (protocol/rpc.py: msgspec, array
+frames, never pickle); replies come back on one socket and complete the call's Future, so a
+call may be waited for on another thread while the next one is sent (`non_block`). A monitor
+thread waits on the workers' process sentinels: the first exit marks the executor failed,
+stops the other workers and calls the failure callback. Sockets live in a private 0700
+directory; torch.distributed rendezvouses through a file in it (no listening port), and gloo
+and NCCL are kept on loopback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from tokenmill.core.executor.base import Executor
+from tokenmill.protocol.codec import Decoder, Encoder
+from tokenmill.protocol.process import (
+    close_sockets,
+    remove_dir,
+    start_module,
+    stop_processes,
+    wait_for_exit,
+)
+from tokenmill.protocol.rpc import SHUTDOWN, STARTUP_CALL_ID, RpcCall, RpcReply, return_type
+from tokenmill.worker.worker import Worker
+from tokenmill.worker.worker_proc import call_address, reply_address
+
+logger = logging.getLogger(__name__)
+
+WORKER_STARTUP_TIMEOUT_S = 240.0  # loading a large model from disk on every rank
+_POLL_MS = 100  # how often a waiting caller checks for a dead worker
+_SEND_TIMEOUT_MS = 30_000  # a worker that leaves 1000 calls unread is not coming back
+
+
+@dataclass
+class _Call:
+    method: str
+    future: Future
+    waiting_for: set[int]  # ranks whose reply is still missing
+    single: bool  # unique_reply_rank: the result is that rank's, not a list
+    results: dict[int, Any] = field(default_factory=dict)
+
+
+class MultiprocExecutor(Executor):
+    def _init_executor(self) -> None:
+        self.world_size = self.config.parallel_config.tensor_parallel_size
+        self.ipc_dir = tempfile.mkdtemp(prefix="tokenmill-workers-")  # mode 0700
+        self.ctx = zmq.Context()
+        self.call_sockets = []
+        for rank in range(self.world_size):
+            socket = self.ctx.socket(zmq.PUSH)
+            socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+            socket.bind(call_address(self.ipc_dir, rank))
+            self.call_sockets.append(socket)
+        self.reply_socket = self.ctx.socket(zmq.PULL)
+        self.reply_socket.bind(reply_address(self.ipc_dir))
+        self.encoder = Encoder()
+        self.send_lock = threading.Lock()
+        self.receive_lock = threading.Lock()
+        self.calls: dict[int, _Call] = {}
+        self.call_ids = itertools.count()
+        self.decoders: dict[str, Decoder] = {}
+        self.failure: str | None = None
+        self.stopping = threading.Event()
+        self.workers = self._start_workers()
+        self._finalizer = weakref.finalize(
+            self,
+            _shutdown,
+            self.workers,
+            self.stopping,
+            self.ctx,
+            [*self.call_sockets, self.reply_socket],
+            self.ipc_dir,
+        )
+        try:
+            self._wait_until_ready(WORKER_STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        threading.Thread(
+            target=_monitor,
+            args=(weakref.ref(self), self.workers, self.stopping),
+            daemon=True,
+            name="executor-monitor",
+        ).start()
+
+    def _start_workers(self) -> list:
+        # Keep torch.distributed's own sockets on loopback unless the user chose otherwise.
+        env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", **os.environ}
+        args = [
+            f"--ipc-dir={self.ipc_dir}",
+            f"--init-method=file://{self.ipc_dir}/dist-store",
+            f"--parent-pid={os.getpid()}",
+        ]
+        return [
+            start_module(
+                "tokenmill.worker.worker_proc", [f"--rank={rank}", *args], self.config, env
+            )
+            for rank in range(self.world_size)
+        ]
+
+    def _wait_until_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        decoder = Decoder(str | None)
+        pending = set(range(self.world_size))
+        while pending:
+            if self.reply_socket.poll(_POLL_MS):
+                header, *payload = self.reply_socket.recv_multipart(copy=False)
+                reply = msgspec.msgpack.decode(header.buffer, type=RpcReply)
+                if reply.call_id != STARTUP_CALL_ID:
+                    continue
+                if not reply.ok:
+                    error = decoder.decode([f.buffer for f in payload])
+                    raise RuntimeError(f"worker rank {reply.rank} failed to start: {error}")
+                pending.discard(reply.rank)
+                continue
+            for rank, proc in enumerate(self.workers):
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"worker rank {rank} (pid {proc.pid}) exited during start-up "
+                        f"({_exit_status(proc.returncode)})"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"worker ranks {sorted(pending)} were not ready within {timeout:.0f} s"
+                )
+        logger.info("%d worker processes ready", self.world_size)
+
+    # ------------------------------------------------------------------------------- calls
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
+        future = _RpcFuture(self, method, timeout)
+        call = _Call(method, future, set(ranks), unique_reply_rank is not None)
+        with self.send_lock:
+            self.check_health()
+            call_id = next(self.call_ids)
+            header = RpcCall(call_id, method, len(args), list(kwargs), unique_reply_rank)
+            payload = self.encoder.encode((*args, *kwargs.values()))
+            self.calls[call_id] = call
+            for rank, socket in enumerate(self.call_sockets):
+                # One encoding, sent to every rank; the array frames are not copied.
+                try:
+                    socket.send_multipart([msgspec.msgpack.encode(header), *payload], copy=False)
+                except zmq.Again:
+                    raise RuntimeError(f"worker rank {rank} takes no more calls") from None
+        return future if non_block else future.result()
+
+    def _wait(self, future: _RpcFuture, timeout: float | None) -> None:
+        """Receives replies (for any call) until `future` is complete; fails it when a
+        worker is dead or its deadline passes."""
+        deadline = future.deadline
+        if timeout is not None:
+            deadline = min(deadline or float("inf"), time.monotonic() + timeout)
+        while not future.done():
+            with self.receive_lock:
+                if future.done():
+                    return
+                if self.failure is not None:
+                    for call_id in list(self.calls):
+                        self._finish(call_id, RuntimeError(self.failure))
+                    return
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"{future.method} got no reply from every worker in time")
+                self._receive(_POLL_MS)
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self.reply_socket.poll(timeout_ms):
+            return
+        while True:
+            try:
+                header, *payload = self.reply_socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            reply = msgspec.msgpack.decode(header.buffer, type=RpcReply)
+            call = self.calls.get(reply.call_id)
+            frames = [f.buffer for f in payload]
+            if not reply.ok:
+                error = msgspec.msgpack.decode(frames[0], type=str)
+                method = call.method if call is not None else "a call already answered"
+                failure = f"worker rank {reply.rank} failed in {method}: {error}"
+                if call is None:  # the ranks are out of step now: no later call may run
+                    self.failure = failure
+                else:
+                    self._finish(reply.call_id, RuntimeError(failure))
+                continue
+            if call is None:
+                continue
+            call.results[reply.rank] = self._decoder(call.method).decode(frames)
+            call.waiting_for.discard(reply.rank)
+            if not call.waiting_for:
+                results = call.results
+                value = next(iter(results.values())) if call.single else [
+                    results[rank] for rank in sorted(results)
+                ]  # fmt: skip
+                self._finish(reply.call_id, value)
+
+    def _finish(self, call_id: int, outcome: Any) -> None:
+        call = self.calls.pop(call_id)
+        if isinstance(outcome, BaseException):
+            call.future.set_exception(outcome)
+        else:
+            call.future.set_result(outcome)
+
+    def _decoder(self, method: str) -> Decoder:
+        decoder = self.decoders.get(method)
+        if decoder is None:
+            decoder = self.decoders[method] = Decoder(return_type(Worker, method))
+        return decoder
+
+    def check_health(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+
+    # -------------------------------------------------------------------------- lifetime
+    def _on_worker_death(self, rank: int) -> None:
+        proc = self.workers[rank]
+        self.failure = f"worker rank {rank} (pid {proc.pid}) died ({_exit_status(proc.returncode)})"
+        logger.error("%s; stopping the other workers", self.failure)
+        stop_processes(self.workers, timeout=2.0)
+        if self.failure_callback is not None:
+            self.failure_callback(self.failure)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class _RpcFuture(Future):
+    """A call's result; waiting for it receives the workers' replies on this thread."""
+
+    def __init__(self, executor: MultiprocExecutor, method: str, timeout: float | None) -> None:
+        super().__init__()
+        self.executor = executor
+        self.method = method
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self.executor._wait(self, timeout)
+        return super().result(0)
+
+
+def _monitor(executor_ref: weakref.ref, workers: list, stopping: threading.Event) -> None:
+    rank = wait_for_exit(workers, stopping)
+    executor = executor_ref()
+    if rank is not None and executor is not None and not stopping.is_set():
+        executor._on_worker_death(rank)
+
+
+def _shutdown(
+    workers: list, stopping: threading.Event, ctx: zmq.Context, sockets: list, ipc_dir: str
+) -> None:
+    """Asks every worker to exit, stops whichever has not within 2 s, then closes the
+    sockets and removes their directory. Every wait here has a deadline."""
+    stopping.set()
+    for socket, proc in zip(sockets, workers):
+        if proc.poll() is None:
+            try:
+                socket.send(msgspec.msgpack.encode(RpcCall(-1, SHUTDOWN)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+    deadline = time.monotonic() + 2.0
+    for proc in workers:
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    stop_processes(workers, timeout=3.0)
+    close_sockets(ctx, sockets)
+    remove_dir(ipc_dir)
+
+
+def _exit_status(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
