@@ -84,6 +84,9 @@ class EngineCoreProc:
         self.input_socket.bind(input_address)
         self.output_socket = self.ctx.socket(zmq.ROUTER)
         self.output_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # No send limit: a client that stops reading must not block the output thread (and
+        # every other client with it); a daemon drops it once its heartbeats stop.
+        self.output_socket.setsockopt(zmq.SNDHWM, 0)
         self.output_socket.bind(output_address)
         self.clients: set[bytes] = set()
         # When each client was last heard from; only a daemon times its clients out (a
@@ -152,10 +155,10 @@ class EngineCoreProc:
             attempts = 100 if kind in (OutputType.READY, OutputType.STARTUP_ERROR) else 1
             for attempt in range(attempts):
                 try:
-                    self.output_socket.send_multipart(frames, copy=False)
+                    self.output_socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
                     break
                 except zmq.ZMQError as e:
-                    if e.errno != zmq.EHOSTUNREACH:
+                    if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                         raise
                     if attempt + 1 < attempts:
                         time.sleep(0.01)

@@ -244,7 +244,9 @@ class SyncMPClient(EngineCoreClient):
             with self.send_lock, contextlib.suppress(zmq.Again):
                 self.input_socket.send(RequestType.HEARTBEAT, zmq.NOBLOCK)
         ready = dict(self._poller.poll(200))
-        if self.monitor in ready:
+        # Messages first: a dying core's last word (why it died) arrives before its socket
+        # is seen to close.
+        if self.monitor in ready and self.output_socket not in ready:
             self.monitor.recv_multipart()
             if self.reconnect and self._reconnect(self._decoders):
                 return True

@@ -7,6 +7,7 @@ torch.distributed is never touched.
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 
 import torch
@@ -17,6 +18,7 @@ DIST_TIMEOUT_S = 300
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_OWN_GROUP = False  # whether init_distributed made the torch.distributed group
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> None:
@@ -36,6 +38,18 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str)
         world_size=world_size,
         timeout=timedelta(seconds=DIST_TIMEOUT_S),
     )
+    global _OWN_GROUP
+    _OWN_GROUP = True
+    # A group still alive at interpreter exit aborts the process (its threads are joinable).
+    atexit.register(destroy_distributed)
+
+
+def destroy_distributed() -> None:
+    """Leaves the group this module joined (one the caller made is the caller's to end)."""
+    global _OWN_GROUP
+    if _OWN_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWN_GROUP = False
 
 
 def init_tensor_parallel(rank: int, world_size: int) -> None:

@@ -36,6 +36,12 @@ class ExternalLauncherExecutor(UniProcExecutor):
         self.worker.init_device()
         self.worker.load_model()
 
+    def shutdown(self) -> None:
+        from tokenmill.worker.parallel_state import destroy_distributed
+
+        super().shutdown()
+        destroy_distributed()
+
     def determine_available_memory(self) -> int:
         # Each rank's engine sizes its own cache: they must agree on the smallest.
         import torch

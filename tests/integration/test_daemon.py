@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import msgspec
 import psutil
 import pytest
 import zmq
+from helpers import running_daemon
 
 from tokenmill import LLM, EngineDeadError, SamplingParams
 from tokenmill.protocol.codec import Decoder, Encoder
@@ -34,39 +34,6 @@ from tokenmill.protocol.sockets import split_address
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (2, 11, 35, 90)]
-
-
-def free_port_pair() -> int:
-    """A port p with p and p+1 free on loopback (the daemon's input and output sockets)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
-@contextmanager
-def running_daemon(model_path, *extra: str):
-    address = f"tcp://127.0.0.1:{free_port_pair()}"
-    command = [
-        sys.executable, "-m", "tokenmill.core.daemon",
-        "--model", str(model_path), "--address", address,
-        "--skip-tokenizer-init", "true", "--kv-cache-memory-bytes", str(32 << 20),
-        *extra,
-    ]  # fmt: skip
-    proc = subprocess.Popen(command)
-    try:
-        yield proc, address
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 def reference(model_path) -> list[list[int]]:
@@ -260,44 +227,78 @@ def test_idle_daemon_does_not_spin(tiny_model) -> None:
     assert used / 10.0 < 0.01, f"idle daemon used {100 * used / 10.0:.2f}% of a core"
 
 
-def test_core_rejects_bad_requests_that_skip_the_frontend(tiny_model) -> None:
-    """A client that bypasses the frontend's checks gets an error for the bad request only."""
-    with running_daemon(tiny_model("llama-gqa")) as (_, address):
-        input_address, output_address = split_address(address)
-        ctx = zmq.Context()
-        try:
-            sockets = [ctx.socket(zmq.DEALER) for _ in range(2)]
-            for s, a in zip(sockets, (input_address, output_address)):
-                s.setsockopt(zmq.IDENTITY, b"rawclien")
-                s.setsockopt(zmq.LINGER, 0)
-                s.connect(a)
-            send, recv = sockets
-            encoder = Encoder()
-            send.send_multipart([RequestType.HELLO, *encoder.encode(Hello(PROTOCOL_VERSION))])
-            assert recv.poll(30_000), "no answer to the hello"
-            assert recv.recv_multipart()[0] == OutputType.READY
-            requests = [
-                EngineCoreRequest("oov", [1, 10**7], GREEDY, [2], 0.0),
-                EngineCoreRequest("long", [1] * 5000, GREEDY, [2], 0.0),
-                EngineCoreRequest("fine", [1, 2, 3], GREEDY, [2], 0.0),
-            ]
-            send.send_multipart([RequestType.ADD, *encoder.encode(requests)])
+@contextmanager
+def raw_client(address: str):
+    """A client that skips the frontend: says hello on its own DEALER sockets and yields a
+    function that sends (kind, payload) and one that collects finished outputs by id."""
+    input_address, output_address = split_address(address)
+    ctx = zmq.Context()
+    try:
+        sockets = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        for s, a in zip(sockets, (input_address, output_address)):
+            s.setsockopt(zmq.IDENTITY, b"rawclien")
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a)
+        send_socket, recv = sockets
+        encoder = Encoder()
+
+        def send(kind: bytes, payload) -> None:
+            send_socket.send_multipart([kind, *encoder.encode(payload)])
+
+        def finished(count: int, timeout: float = 60.0) -> dict[str, list]:
+            """Outputs per request id, once `count` requests have finished."""
             decoder = Decoder(EngineCoreOutputs)
-            finished: dict[str, object] = {}
-            deadline = time.monotonic() + 30
-            while len(finished) < 3 and time.monotonic() < deadline:
+            outputs: dict[str, list] = {}
+            done: set[str] = set()
+            deadline = time.monotonic() + timeout
+            while len(done) < count and time.monotonic() < deadline:
                 if not recv.poll(1000):
                     continue
                 kind, *frames = recv.recv_multipart()
                 if kind != OutputType.OUTPUTS:
                     continue
                 for out in decoder.decode(frames).outputs:
+                    outputs.setdefault(out.request_id, []).append(out)
                     if out.finished:
-                        finished[out.request_id] = out
-        finally:
-            ctx.destroy(linger=0)
-    assert finished["oov"].finish_reason == FinishReason.ERROR
-    assert "outside" in finished["oov"].error
-    assert finished["long"].finish_reason == FinishReason.ERROR
-    assert "max_model_len" in finished["long"].error
-    assert finished["fine"].finish_reason == FinishReason.LENGTH
+                        done.add(out.request_id)
+            return outputs
+
+        send(RequestType.HELLO, Hello(PROTOCOL_VERSION))
+        assert recv.poll(30_000), "no answer to the hello"
+        assert recv.recv_multipart()[0] == OutputType.READY
+        yield send, finished
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_core_rejects_bad_requests_that_skip_the_frontend(tiny_model) -> None:
+    """A client that bypasses the frontend's checks gets an error for the bad request only."""
+    with running_daemon(tiny_model("llama-gqa")) as (_, address):
+        with raw_client(address) as (send, finished):
+            requests = [
+                EngineCoreRequest("oov", [1, 10**7], GREEDY, [2], 0.0),
+                EngineCoreRequest("long", [1] * 5000, GREEDY, [2], 0.0),
+                EngineCoreRequest("fine", [1, 2, 3], GREEDY, [2], 0.0),
+            ]
+            send(RequestType.ADD, requests)
+            outputs = finished(3)
+    last = {req_id: outs[-1] for req_id, outs in outputs.items()}
+    assert last["oov"].finish_reason == FinishReason.ERROR
+    assert "outside" in last["oov"].error
+    assert last["long"].finish_reason == FinishReason.ERROR
+    assert "max_model_len" in last["long"].error
+    assert last["fine"].finish_reason == FinishReason.LENGTH
+
+
+def test_a_reused_live_request_id_leaves_the_live_request_alone(tiny_model) -> None:
+    long_run = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    with running_daemon(tiny_model("llama-gqa")) as (_, address):
+        with raw_client(address) as (send, finished):
+            send(RequestType.ADD, [EngineCoreRequest("a", [5] * 10, long_run, [2], 0.0)])
+            send(RequestType.ADD, [EngineCoreRequest("a", [7, 8], GREEDY, [2], 0.0)])
+            send(RequestType.ADD, [EngineCoreRequest("b", [7, 8], GREEDY, [2], 0.0)])
+            outputs = finished(2)
+    tokens = [t for out in outputs["a"] for t in out.new_token_ids]
+    assert len(tokens) == 300 and outputs["a"][-1].finish_reason == FinishReason.LENGTH
+    assert not any(out.error for out in outputs["a"])
+    assert outputs["b"][-1].finish_reason == FinishReason.LENGTH

@@ -14,6 +14,7 @@ import time
 
 import psutil
 import pytest
+from helpers import is_running
 
 from tokenmill import LLM, EngineDeadError, SamplingParams
 
@@ -91,20 +92,13 @@ def test_core_exits_when_the_frontend_is_killed(tiny_model) -> None:
         frontend.kill()
         frontend.wait(10)
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and _running(core_pid):
+        while time.monotonic() < deadline and is_running(core_pid):
             time.sleep(0.1)
-        assert not _running(core_pid), "the engine core outlived its frontend"
+        assert not is_running(core_pid), "the engine core outlived its frontend"
     finally:
         frontend.kill()
-        if core_pid is not None and _running(core_pid):
+        if core_pid is not None and is_running(core_pid):
             os.kill(core_pid, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_start_up_failure_reports_the_cores_own_error(tiny_model) -> None:
@@ -134,10 +128,10 @@ def test_dropping_the_llm_stops_the_core(tiny_model) -> None:
     del llm
     gc.collect()
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and _running(core_pid):
+    while time.monotonic() < deadline and is_running(core_pid):
         time.sleep(0.1)
     try:
-        assert not _running(core_pid), "the engine core outlived its garbage-collected LLM"
+        assert not is_running(core_pid), "the engine core outlived its garbage-collected LLM"
     finally:
-        if _running(core_pid):
+        if is_running(core_pid):
             os.kill(core_pid, signal.SIGKILL)

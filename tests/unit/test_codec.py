@@ -18,6 +18,8 @@ from tokenmill.protocol.messages import (
     FinishReason,
     SamplingParams,
 )
+from tokenmill.protocol.rpc import argument_type
+from tokenmill.protocol.scheduler_output import CachedRequestData, SchedulerOutput
 
 
 class Payload(msgspec.Struct, array_like=True):
@@ -92,3 +94,32 @@ def test_decoder_refuses_pickled_payloads() -> None:
 def test_malformed_frames_are_decode_errors(junk: bytes) -> None:
     with pytest.raises(DecodeError):
         Decoder(EngineCoreRequest).decode([junk])
+
+
+class _Target:
+    """Stands in for the Worker: collective_rpc payloads decode by its annotations."""
+
+    def step(self, out: SchedulerOutput, mask: np.ndarray, scale: float = 1.0) -> int:
+        return 0
+
+
+def test_rpc_arguments_decode_by_the_methods_annotations() -> None:
+    out = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(["a"], [[3]], [7]),
+        num_scheduled_tokens={"a": 1},
+        total_num_scheduled_tokens=1,
+        preempted_req_ids=["b"],
+    )
+    mask = np.arange(375_000, dtype=np.int32)  # a 1.5 MB per-step token bitmask
+    frames = Encoder().encode((out, mask, 0.5))
+    # The mask is its own frame, the array's own memory, not a copy inside the body.
+    assert len(frames) == 2 and frames[1].nbytes == mask.nbytes
+    assert np.shares_memory(np.frombuffer(frames[1], dtype=np.int32), mask)
+    decoded = Decoder(argument_type(_Target, "step", 2, ("scale",))).decode(frames)
+    assert decoded[0] == out and isinstance(decoded[0], SchedulerOutput)
+    assert np.array_equal(decoded[1], mask) and decoded[2] == 0.5
+    with pytest.raises(TypeError, match="does not take"):
+        argument_type(_Target, "step", 4, ())
+    with pytest.raises(AttributeError, match="no public method"):
+        argument_type(_Target, "_private", 0, ())

@@ -1,0 +1,154 @@
+"""Tensor parallelism on the CPU (gloo): greedy tokens at TP > 1 equal TP = 1, through an
+in-process client, a spawned core and an engine-core daemon; and each rank holds only its
+share of the weights and KV heads. Engines are shared between tests where they can be."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import running_daemon
+
+from tokenmill import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+# Ragged lengths, one over the chunk budget below: chunked prefill, decodes and prefills mixed.
+TOKEN_PROMPTS = [
+    {"prompt_token_ids": [(7 * i + 3 * j) % 500 + 3 for j in range(n)]}
+    for i, n in enumerate((1, 5, 9, 17, 40, 64, 130, 200))
+]
+
+
+def tiny_llm(path, tp: int) -> LLM:
+    return LLM(
+        str(path),
+        multiprocess=False,  # the executor lives in this process, so tests can reach it
+        tensor_parallel_size=tp,
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=32 << 20,
+        max_num_batched_tokens=128,
+        block_size=8,
+    )
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "qwen3"])
+def tiny_pair(request, tiny_model):
+    """(name, TP=1 outputs, a running TP=2 engine). llama-gqa splits its 2 KV heads; qwen3
+    has 1 KV head for 2 ranks, so both ranks hold a copy."""
+    path = tiny_model(request.param)
+    reference = tiny_llm(path, 1)
+    try:
+        expected = [o.outputs[0].token_ids for o in reference.generate(TOKEN_PROMPTS, GREEDY)]
+    finally:
+        reference.shutdown()
+    llm = tiny_llm(path, 2)
+    yield request.param, expected, llm
+    llm.shutdown()
+
+
+def test_tp2_greedy_equals_tp1(tiny_pair) -> None:
+    _, expected, llm = tiny_pair
+    outputs = llm.generate(TOKEN_PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(len(tokens) == 16 for tokens in expected)
+
+
+# Per-rank shapes at TP=2, worked out by hand from the tiny configs (tests/conftest.py:
+# hidden 64, 4 query heads, intermediate 128, vocabulary 512, 2 layers).
+EXPECTED_TP2 = {
+    # 2 of 4 query heads and 1 of 2 KV heads, each of 16 dims: (2 + 2 * 1) * 16 rows.
+    "llama-gqa": {
+        "qkv_proj.weight": [64, 64],
+        "o_proj.weight": [64, 32],
+        "kv_cache_heads": 1,
+        "head_size": 16,
+    },
+    # head_dim 32; the single KV head is replicated: (2 + 2 * 1) * 32 rows.
+    "qwen3": {
+        "qkv_proj.weight": [128, 64],
+        "o_proj.weight": [64, 64],
+        "kv_cache_heads": 1,
+        "head_size": 32,
+    },
+}
+
+
+def test_each_rank_holds_its_share(tiny_pair) -> None:
+    name, _, llm = tiny_pair
+    executor = llm.llm_engine.client.engine_core.executor
+    ranks = executor.collective_rpc("describe_shards")
+    assert len(ranks) == 2
+    want = EXPECTED_TP2[name]
+    for shapes in ranks:
+        layer = "model.layers.0."
+        assert shapes[layer + "self_attn.qkv_proj.weight"] == want["qkv_proj.weight"]
+        assert shapes[layer + "self_attn.o_proj.weight"] == want["o_proj.weight"]
+        assert shapes[layer + "mlp.gate_up_proj.weight"] == [128, 64]  # 2 * 128 / 2 rows
+        assert shapes[layer + "mlp.down_proj.weight"] == [64, 64]  # 128 / 2 columns
+        assert shapes["model.embed_tokens.weight"] == [256, 64]  # half the vocabulary
+        assert shapes["lm_head.weight"] == [256, 64]
+        # Norms are replicated, whole on every rank.
+        assert shapes[layer + "input_layernorm.weight"] == [64]
+        assert shapes["model.norm.weight"] == [64]
+        # [blocks, K/V, block_size, kv heads on this rank, head size]
+        kv = shapes["kv_cache"]
+        assert kv[1:] == [2, 8, want["kv_cache_heads"], want["head_size"]]
+    # The CPU's KV budget is per host: the two ranks split it (and hold equal block counts).
+    assert ranks[0]["kv_cache"][0] == ranks[1]["kv_cache"][0]
+    per_rank_block = 2 * 8 * want["kv_cache_heads"] * want["head_size"] * 4 * 2  # 2 layers
+    assert ranks[0]["kv_cache"][0] == (32 << 20) // 2 // per_rank_block
+
+
+# ------------------------------------------------------------------------ SmolLM2 at TP=3
+CHAT = [
+    "What is the capital of France?",
+    "Write a short poem about autumn leaves.",
+    "List three uses of a paperclip.",
+    "Explain recursion to a child in two sentences.",
+]
+RAW = [
+    "Hello, how are you",
+    "The quick brown fox jumps over the lazy dog. The dog",
+    "def fibonacci(n):\n    ",
+    "Name three planets of the solar system:",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_expected(smollm2_llm: LLM) -> tuple[list, list[list[int]]]:
+    """The 8 prompts as token ids, and SmolLM2's greedy answers at TP=1."""
+    tokenizer = smollm2_llm.get_tokenizer()
+    prompts = []
+    for question in CHAT:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+    prompts += [{"prompt_token_ids": tokenizer.encode(text)} for text in RAW]
+    outputs = smollm2_llm.generate(prompts, GREEDY, use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_spawned_core_equals_tp1(smollm2_path: str, smollm2_expected) -> None:
+    prompts, expected = smollm2_expected
+    # 9 query heads and 3 KV heads: 3 and 1 per rank.
+    llm = LLM(smollm2_path, tensor_parallel_size=3, max_model_len=1024,
+              kv_cache_memory_bytes=256 << 20)  # fmt: skip
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_daemon_equals_tp1(smollm2_path: str, smollm2_expected) -> None:
+    prompts, expected = smollm2_expected
+    extra = ("--tensor-parallel-size", "3", "--max-model-len", "1024")
+    with running_daemon(smollm2_path, *extra, kv_cache_bytes=256 << 20) as (_, address):
+        llm = LLM(engine_address=address)
+        try:
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            assert llm.get_stats()["max_model_len"] == 1024
+        finally:
+            llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
