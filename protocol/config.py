@@ -241,13 +241,34 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
             ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-            ),
+            parallel_config=_parallel_config(self, model_config),
             device_config=DeviceConfig(device=device),
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
         )
+
+
+def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
+    """Checks, before any worker starts, that the model splits across the ranks: query heads
+    evenly; KV heads evenly, or whole heads replicated when there are fewer than ranks."""
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+    )
+    tp = parallel.tensor_parallel_size
+    heads, kv_heads = model.num_attention_heads, model.num_kv_heads
+    _check(
+        heads % tp == 0,
+        "tensor_parallel_size",
+        tp,
+        f"a divisor of the model's {heads} attention heads",
+    )
+    _check(
+        kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0,
+        "tensor_parallel_size",
+        tp,
+        f"a divisor or a multiple of the model's {kv_heads} KV heads",
+    )
+    return parallel
 
 
 def resolve_device(device: str) -> str:

@@ -20,6 +20,13 @@ spares HF page faults; the default `mp` mode leaves this process as it is.
     python scripts/bench_throughput.py --compare hf
     python scripts/bench_throughput.py --compare hf --rounds 2
     python scripts/bench_throughput.py --workload W1 --load-format dummy
+    python scripts/bench_throughput.py --model scripts/configs/qwen2.5-0.5b --load-format dummy \
+        --tensor-parallel-size 1 2 --rounds 2
+
+`--tensor-parallel-size 1 2` runs one engine per size (alternating, like the rounds); at TP > 1
+the ranks are worker processes that split this machine's cores and its KV cache budget.
+Dummy weights are drawn per rank, so their tokens differ between sizes (the counts do not:
+every request ignores EOS).
 """
 
 from __future__ import annotations
@@ -55,12 +62,13 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
     return Workload(prompts, output_lens)
 
 
-def start_tokenmill(args: argparse.Namespace, workload: Workload, multiprocess: bool):
+def start_tokenmill(args: argparse.Namespace, workload: Workload, multiprocess: bool, tp: int):
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(
         args.model,
         multiprocess=multiprocess,
+        tensor_parallel_size=tp,
         load_format=args.load_format,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -176,6 +184,14 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="N",
+        help="one tokenmill engine per size given (worker processes at N > 1)",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="alternating runs per engine; the best is reported"
     )
     args = parser.parse_args()
@@ -209,14 +225,19 @@ def main() -> None:
     )
 
     modes = ["inproc", "mp"] if args.mode == "both" else [args.mode]
-    names = [f"tokenmill ({mode})" for mode in modes]
+    sizes = args.tensor_parallel_size
+    engines_spec = [(mode, tp) for mode in modes for tp in sizes]
+    names = [
+        f"tokenmill ({mode}, tp={tp})" if len(sizes) > 1 or tp > 1 else f"tokenmill ({mode})"
+        for mode, tp in engines_spec
+    ]
     hf_model = None
     if args.compare == "hf":
         names.append("hf transformers")
         hf_model = load_hf(args, model_path, device, dtype)
     times: dict[str, list[float]] = {name: [] for name in names}
     tokens = sum(workload.output_lens)
-    engines = [start_tokenmill(args, workload, multiprocess=mode == "mp") for mode in modes]
+    engines = [start_tokenmill(args, workload, mode == "mp", tp) for mode, tp in engines_spec]
     for _ in range(args.rounds):
         for llm, name in zip(engines, names):
             times[name].append(run_tokenmill(llm, workload))
@@ -231,16 +252,16 @@ def main() -> None:
     if args.rounds > 1:
         print(f"best of {args.rounds} alternating rounds per engine")
     header = ("engine", "time (s)", "output tokens", "output tok/s", "vs HF")
-    print("| {:<19} | {:>9} | {:>13} | {:>12} | {:>6} |".format(*header))
-    print(f"|{'-' * 21}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|")
+    print("| {:<26} | {:>9} | {:>13} | {:>12} | {:>6} |".format(*header))
+    print(f"|{'-' * 28}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|")
     for name in names:
         rate = tokens / best[name]
         ratio = f"{rate / base:.2f}x" if base else "-"
-        print(f"| {name:<19} | {best[name]:>9.2f} | {tokens:>13} | {rate:>12.1f} | {ratio:>6} |")
+        print(f"| {name:<26} | {best[name]:>9.2f} | {tokens:>13} | {rate:>12.1f} | {ratio:>6} |")
     if args.rounds > 1:
         for name in names:
             print(f"{name} rounds (s): " + ", ".join(f"{t:.2f}" for t in times[name]))
-    if args.mode == "both":
+    if args.mode == "both" and len(sizes) == 1:
         inproc, mp = best[names[0]], best[names[1]]
         print(f"multiprocess / in-process throughput: {inproc / mp:.3f}")
 

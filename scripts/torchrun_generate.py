@@ -7,8 +7,10 @@ Each rank builds its own `LLM(..., tensor_parallel_size=WORLD_SIZE,
 distributed_executor_backend="external_launcher")`: its engine core runs in this process with
 one worker that is this rank of torchrun's group. The ranks get the same prompts in the same
 order, schedule identically, sample the same tokens, and each prints the same outputs, one JSON
-line per rank ({"rank", "prompts", "outputs", "texts"}). With --skip-tokenizer-init the prompts
-are token ids drawn from a fixed seed (for models without a tokenizer).
+line per rank ({"rank", "prompts", "outputs", "texts"}), also written to
+OUTPUT_DIR/rank-R.json with --output-dir (the ranks' lines share one stdout). With
+--skip-tokenizer-init the prompts are token ids drawn from a fixed seed (for models without a
+tokenizer).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import random
+from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
 
@@ -38,6 +41,7 @@ def main() -> None:
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--num-prompts", type=int, default=8, help="token prompts only")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
+    parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args()
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -68,7 +72,10 @@ def main() -> None:
         "outputs": [o.outputs[0].token_ids for o in outputs],
         "texts": [o.outputs[0].text for o in outputs],
     }
-    print(json.dumps(record), flush=True)
+    line = json.dumps(record)
+    print(line, flush=True)
+    if args.output_dir is not None:
+        (args.output_dir / f"rank-{rank}.json").write_text(line)
     llm.shutdown()
 
 

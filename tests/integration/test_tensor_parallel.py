@@ -23,6 +23,8 @@ def tiny_llm(path, tp: int) -> LLM:
         multiprocess=False,  # the executor lives in this process, so tests can reach it
         tensor_parallel_size=tp,
         skip_tokenizer_init=True,
+        # Resolved by the core after KV sizing: the workers must get the settled value.
+        max_model_len=-1,
         kv_cache_memory_bytes=32 << 20,
         max_num_batched_tokens=128,
         block_size=8,
@@ -95,6 +97,13 @@ def test_each_rank_holds_its_share(tiny_pair) -> None:
     assert ranks[0]["kv_cache"][0] == ranks[1]["kv_cache"][0]
     per_rank_block = 2 * 8 * want["kv_cache_heads"] * want["head_size"] * 4 * 2  # 2 layers
     assert ranks[0]["kv_cache"][0] == (32 << 20) // 2 // per_rank_block
+
+
+def test_a_rank_that_fails_to_start_is_named_with_its_error(tiny_model, tmp_path) -> None:
+    # A config without weights: every rank builds its shard of the model, then fails to load.
+    (tmp_path / "config.json").write_text((tiny_model("llama-gqa") / "config.json").read_text())
+    with pytest.raises(RuntimeError, match=r"worker rank [01] failed to start: FileNotFoundError"):
+        tiny_llm(tmp_path, 2)
 
 
 # ------------------------------------------------------------------------ SmolLM2 at TP=3

@@ -14,19 +14,18 @@ from tokenmill import LLM, SamplingParams
 SCRIPT = Path(__file__).parents[2] / "scripts" / "torchrun_generate.py"
 
 
-def test_torchrun_ranks_agree_with_tp1(tiny_model) -> None:
+def test_torchrun_ranks_agree_with_tp1(tiny_model, tmp_path) -> None:
     path = tiny_model("llama-gqa")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(SCRIPT), "--model", str(path), "--skip-tokenizer-init", "--max-tokens", "16",
-        "--kv-cache-memory-bytes", str(32 << 20),
+        "--kv-cache-memory-bytes", str(32 << 20), "--output-dir", str(tmp_path),
     ]  # fmt: skip
     # torchrun stops every rank when one fails; the timeout stops torchrun itself.
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert sorted(r["rank"] for r in records) == [0, 1]
-    first, second = records
+    first, second = (json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1))
+    assert (first["rank"], second["rank"]) == (0, 1)
     assert first["prompts"] == second["prompts"] and len(first["prompts"]) == 8
     assert first["outputs"] == second["outputs"]
 

@@ -3,6 +3,7 @@ validation, and resolution of the default model's names."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -66,11 +67,30 @@ def test_unknown_model_is_a_clear_error(tmp_path) -> None:
         (dict(load_format="pt"), "load_format must be"),
         (dict(max_model_len=10**6), "max_model_len must be <="),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "max_num_batched_tokens"),
+        (dict(tensor_parallel_size=2), "a divisor of the model's 9 attention heads"),
     ],
 )
 def test_engine_args_name_the_bad_field(smollm2_path: str, kwargs, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         EngineArgs(model=smollm2_path, **kwargs).create_engine_config()
+
+
+def test_kv_heads_that_do_not_split_are_refused_before_any_worker_starts(tmp_path) -> None:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = EngineArgs(model=str(tmp_path), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="a divisor or a multiple of the model's 3 KV heads"):
+        args.create_engine_config()
+    # Fewer KV heads than ranks: each rank gets a copy of one.
+    EngineArgs(model=str(tmp_path), tensor_parallel_size=6).create_engine_config()
 
 
 def test_llm_rejects_unknown_arguments() -> None:
