@@ -148,7 +148,11 @@ class EngineCoreProc:
                 self.output_socket.close(linger=_DEAD_LINGER_MS)
                 return
             identity, kind, payload = item
-            frames = [identity, kind, *encoder.encode(payload)]
+            try:
+                frames = [identity, kind, *encoder.encode(payload)]
+            except Exception:  # one bad message must not silence every client
+                logger.exception("could not encode a %r message; dropped it", kind)
+                continue
             # A client's output socket may still be connecting when its hello is answered;
             # later messages to a client that is gone are dropped at once, so that no client
             # can stall the others.
