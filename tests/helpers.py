@@ -1,5 +1,5 @@
-"""Helpers shared by the integration tests: a daemon that is always killed, free ports, and
-finding (and waiting out) tokenmill processes."""
+"""Helpers shared by the tests: SmolLM2's parity prompts, a daemon that is always killed,
+free ports, and finding (and waiting out) tokenmill processes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,53 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psutil
+
+from tokenmill.protocol.process import stop_processes
+
+LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based inks and a wooden press adapted from "
+    "those used for wine and olive oil. Before that, books in Europe were copied by hand, "
+    "usually by monks working in scriptoria, and a single volume could take months to finish. "
+    "The press changed the economics of knowledge: pamphlets, bibles, grammars and scientific "
+    "treatises could be produced in hundreds of copies, and prices fell quickly. Within fifty "
+    "years, presses were operating in more than two hundred cities across the continent. "
+    "Historians link the spread of printing to the Reformation, to the standardisation of "
+    "vernacular languages, and to the scientific revolution, since researchers could now share "
+    "identical copies of tables, diagrams and observations. Printers themselves became a new "
+    "kind of entrepreneur, negotiating with authors, censors and booksellers, and experimenting "
+    "with typefaces, page layouts and illustrations made from woodcuts or engraved copper "
+    "plates. Literacy rose slowly at first, then faster as schools adopted printed primers, "
+    "catechisms and arithmetic books, and as newspapers appeared in the seventeenth century. "
+    "Governments responded with licensing systems and censorship, while readers formed new "
+    "communities around journals, almanacs and the correspondence of learned societies. "
+    "Summarise the main consequences of the printing press in one paragraph."
+)
+
+CHAT = [
+    "What is the capital of France?",
+    "Write a short poem about autumn leaves.",
+    "List three uses of a paperclip.",
+    "Explain recursion to a child in two sentences.",
+]
+RAW = [
+    "Hello, how are you",
+    "The quick brown fox jumps over the lazy dog. The dog",
+    "def fibonacci(n):\n    ",
+    LONG_TEXT,
+]
+
+
+def smollm2_prompts(tokenizer) -> list[list[int]]:
+    """CHAT through the chat template, then RAW as plain text: 8 prompts of 5 to ~270
+    tokens, as token ids."""
+    prompts = []
+    for question in CHAT:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts + [tokenizer.encode(text) for text in RAW]
 
 
 def free_port_pair() -> int:
@@ -32,8 +79,8 @@ def free_port_pair() -> int:
 def running_daemon(
     model_path, *extra: str, kv_cache_bytes: int = 32 << 20
 ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """An `engine-core` daemon on a free loopback port; killed (with its workers, who watch
-    it) on the way out, whatever happened."""
+    """An `engine-core` daemon on a free loopback port; stopped on the way out whatever
+    happened (SIGTERM, so that it stops its workers; SIGKILL if it takes over 5 s)."""
     address = f"tcp://127.0.0.1:{free_port_pair()}"
     command = [
         sys.executable, "-m", "tokenmill.core.daemon",
@@ -45,9 +92,7 @@ def running_daemon(
     try:
         yield proc, address
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+        stop_processes([proc], timeout=5.0)
 
 
 def is_running(pid: int) -> bool:

@@ -5,7 +5,7 @@ share of the weights and KV heads. Engines are shared between tests where they c
 from __future__ import annotations
 
 import pytest
-from helpers import running_daemon
+from helpers import running_daemon, smollm2_prompts
 
 from tokenmill import LLM, SamplingParams
 
@@ -107,31 +107,11 @@ def test_a_rank_that_fails_to_start_is_named_with_its_error(tiny_model, tmp_path
 
 
 # ------------------------------------------------------------------------ SmolLM2 at TP=3
-CHAT = [
-    "What is the capital of France?",
-    "Write a short poem about autumn leaves.",
-    "List three uses of a paperclip.",
-    "Explain recursion to a child in two sentences.",
-]
-RAW = [
-    "Hello, how are you",
-    "The quick brown fox jumps over the lazy dog. The dog",
-    "def fibonacci(n):\n    ",
-    "Name three planets of the solar system:",
-]
-
-
 @pytest.fixture(scope="module")
 def smollm2_expected(smollm2_llm: LLM) -> tuple[list, list[list[int]]]:
-    """The 8 prompts as token ids, and SmolLM2's greedy answers at TP=1."""
-    tokenizer = smollm2_llm.get_tokenizer()
-    prompts = []
-    for question in CHAT:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-    prompts += [{"prompt_token_ids": tokenizer.encode(text)} for text in RAW]
+    """The parity prompts (as token ids), and SmolLM2's greedy answers to them at TP=1."""
+    ids = smollm2_prompts(smollm2_llm.get_tokenizer())
+    prompts = [{"prompt_token_ids": p} for p in ids]
     outputs = smollm2_llm.generate(prompts, GREEDY, use_tqdm=False)
     return prompts, [o.outputs[0].token_ids for o in outputs]
 

@@ -9,45 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import smollm2_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
 
 MAX_TOKENS = 32
 NEAR_TIE = 1e-3
-
-LONG_TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg combined movable metal type, oil-based inks and a wooden press adapted from "
-    "those used for wine and olive oil. Before that, books in Europe were copied by hand, "
-    "usually by monks working in scriptoria, and a single volume could take months to finish. "
-    "The press changed the economics of knowledge: pamphlets, bibles, grammars and scientific "
-    "treatises could be produced in hundreds of copies, and prices fell quickly. Within fifty "
-    "years, presses were operating in more than two hundred cities across the continent. "
-    "Historians link the spread of printing to the Reformation, to the standardisation of "
-    "vernacular languages, and to the scientific revolution, since researchers could now share "
-    "identical copies of tables, diagrams and observations. Printers themselves became a new "
-    "kind of entrepreneur, negotiating with authors, censors and booksellers, and experimenting "
-    "with typefaces, page layouts and illustrations made from woodcuts or engraved copper "
-    "plates. Literacy rose slowly at first, then faster as schools adopted printed primers, "
-    "catechisms and arithmetic books, and as newspapers appeared in the seventeenth century. "
-    "Governments responded with licensing systems and censorship, while readers formed new "
-    "communities around journals, almanacs and the correspondence of learned societies. "
-    "Summarise the main consequences of the printing press in one paragraph."
-)
-
-CHAT = [
-    "What is the capital of France?",
-    "Write a short poem about autumn leaves.",
-    "List three uses of a paperclip.",
-    "Explain recursion to a child in two sentences.",
-]
-RAW = [
-    "Hello, how are you",
-    "The quick brown fox jumps over the lazy dog. The dog",
-    "def fibonacci(n):\n    ",
-    LONG_TEXT,
-]
 
 
 def compare_greedy(hf_model, prompts: list[list[int]], outputs: list[list[int]]) -> int:
@@ -76,14 +44,7 @@ def compare_greedy(hf_model, prompts: list[list[int]], outputs: list[list[int]])
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_hf(smollm2_path: str, smollm2_llm: LLM) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    prompts = []
-    for question in CHAT:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
-    prompts += [tokenizer.encode(text) for text in RAW]
+    prompts = smollm2_prompts(AutoTokenizer.from_pretrained(smollm2_path))
     lengths = sorted(len(p) for p in prompts)
     assert 5 <= lengths[0] <= 8 and 250 <= lengths[-1] <= 300, lengths
 
