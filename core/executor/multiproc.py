@@ -181,8 +181,9 @@ class MultiprocExecutor(Executor):
                 if future.done():
                     return
                 if self.failure is not None:
-                    for call_id in list(self.calls):
-                        self._finish(call_id, RuntimeError(self.failure))
+                    for call_id, call in list(self.calls.items()):  # a sender may add one
+                        self._fail(call, RuntimeError(self.failure))
+                        self.calls.pop(call_id, None)
                     return
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"{future.method} got no reply from every worker in time")
@@ -197,34 +198,36 @@ class MultiprocExecutor(Executor):
             except zmq.Again:
                 return
             reply = msgspec.msgpack.decode(header.buffer, type=RpcReply)
-            call = self.calls.get(reply.call_id)
             frames = [f.buffer for f in payload]
+            call = self.calls.get(reply.call_id)
+            if call is None:
+                if not reply.ok:  # it failed where the rank that answers did not
+                    error = msgspec.msgpack.decode(frames[0], type=str)
+                    self.failure = f"worker rank {reply.rank} failed (out of step): {error}"
+                continue
+            call.waiting_for.discard(reply.rank)
             if not reply.ok:
                 error = msgspec.msgpack.decode(frames[0], type=str)
-                method = call.method if call is not None else "a call already answered"
-                failure = f"worker rank {reply.rank} failed in {method}: {error}"
-                if call is None:  # the ranks are out of step now: no later call may run
-                    self.failure = failure
-                else:
-                    self._finish(reply.call_id, RuntimeError(failure))
-                continue
-            if call is None:
-                continue
-            call.results[reply.rank] = self._decoder(call.method).decode(frames)
-            call.waiting_for.discard(reply.rank)
+                failure = f"worker rank {reply.rank} failed in {call.method}: {error}"
+                self._fail(call, RuntimeError(failure))
+            else:
+                call.results[reply.rank] = self._decoder(call.method).decode(frames)
             if not call.waiting_for:
-                results = call.results
-                value = next(iter(results.values())) if call.single else [
-                    results[rank] for rank in sorted(results)
-                ]  # fmt: skip
-                self._finish(reply.call_id, value)
+                # Every rank has answered (a failed call stays until then, so that the other
+                # ranks' answers to it are not mistaken for ranks out of step).
+                del self.calls[reply.call_id]
+                if not call.future.done():
+                    results = call.results
+                    value = next(iter(results.values())) if call.single else [
+                        results[rank] for rank in sorted(results)
+                    ]  # fmt: skip
+                    call.future.set_result(value)
 
-    def _finish(self, call_id: int, outcome: Any) -> None:
-        call = self.calls.pop(call_id)
-        if isinstance(outcome, BaseException):
-            call.future.set_exception(outcome)
-        else:
-            call.future.set_result(outcome)
+    @staticmethod
+    def _fail(call: _Call, error: BaseException) -> None:
+        """Fails the call's future, unless an earlier failure already did."""
+        if not call.future.done():
+            call.future.set_exception(error)
 
     def _decoder(self, method: str) -> Decoder:
         decoder = self.decoders.get(method)

@@ -99,6 +99,21 @@ def test_each_rank_holds_its_share(tiny_pair) -> None:
     assert ranks[0]["kv_cache"][0] == (32 << 20) // 2 // per_rank_block
 
 
+def test_collective_rpc_futures_single_replies_and_errors(tiny_pair) -> None:
+    _, expected, llm = tiny_pair
+    executor = llm.llm_engine.client.engine_core.executor
+    future = executor.collective_rpc("describe_shards", non_block=True)
+    ranks = future.result(timeout=30)
+    assert len(ranks) == 2 and all("kv_cache" in shapes for shapes in ranks)
+    # One rank's answer, itself rather than a list.
+    assert executor.collective_rpc("describe_shards", unique_reply_rank=1) == ranks[1]
+    with pytest.raises(RuntimeError, match=r"worker rank [01] failed in initialize_kv_cache: "):
+        executor.collective_rpc("initialize_kv_cache", args=("not a config", 1))
+    # A call that failed alike on every rank leaves them in step: the engine still serves.
+    outputs = llm.generate(TOKEN_PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected[:2]
+
+
 def test_a_rank_that_fails_to_start_is_named_with_its_error(tiny_model, tmp_path) -> None:
     # A config without weights: every rank builds its shard of the model, then fails to load.
     (tmp_path / "config.json").write_text((tiny_model("llama-gqa") / "config.json").read_text())
