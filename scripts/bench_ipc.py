@@ -68,6 +68,7 @@ def echo_round_trip(payload, type_, iterations: int) -> list[float]:
         samples.append((time.perf_counter() - start) * 1e6 / 2)
     thread.join()
     ctx.destroy(linger=0)
+    shutil.rmtree(folder, ignore_errors=True)
     return samples
 
 
