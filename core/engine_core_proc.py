@@ -226,18 +226,10 @@ class EngineCoreProc:
         # client's identity, so that two clients may use the same id.
         if kind == RequestType.ADD:
             for request in payload:
-                scoped = _scoped(identity, request.request_id)
-                if scoped in self.request_owner:
-                    # Refused without a reply: any output under this id would reach the live
-                    # request's stream.
-                    logger.warning(
-                        "client %s reused the live request id %r; ignored the second request",
-                        identity.hex(),
-                        request.request_id,
-                    )
-                    continue
-                request.request_id = scoped
-                self.request_owner[scoped] = identity
+                # A reused live id maps to the same owner, and EngineCore ignores the request
+                # without an output, so the live request's routing stays as it was.
+                request.request_id = _scoped(identity, request.request_id)
+                self.request_owner[request.request_id] = identity
                 self.core.add_request(request)
         elif kind == RequestType.ABORT:
             scoped = [_scoped(identity, req_id) for req_id in payload]

@@ -160,12 +160,15 @@ class MultiprocExecutor(Executor):
             self.check_health()
             call_id = next(self.call_ids)
             header = RpcCall(call_id, method, len(args), list(kwargs), unique_reply_rank)
-            payload = self.encoder.encode((*args, *kwargs.values()))
+            # One encoding, sent to every rank; the array frames are not copied.
+            frames = [
+                msgspec.msgpack.encode(header),
+                *self.encoder.encode((*args, *kwargs.values())),
+            ]
             self.calls[call_id] = call
             for rank, socket in enumerate(self.call_sockets):
-                # One encoding, sent to every rank; the array frames are not copied.
                 try:
-                    socket.send_multipart([msgspec.msgpack.encode(header), *payload], copy=False)
+                    socket.send_multipart(frames, copy=False)
                 except zmq.Again:
                     raise RuntimeError(f"worker rank {rank} takes no more calls") from None
         return future if non_block else future.result()
