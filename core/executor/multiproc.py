@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 WORKER_STARTUP_TIMEOUT_S = 240.0  # loading a large model from disk on every rank
 _POLL_MS = 100  # how often a waiting caller checks for a dead worker
 _SEND_TIMEOUT_MS = 30_000  # a worker that leaves 1000 calls unread is not coming back
+# A rank's error waits this long for the other ranks' replies: when a peer died, the survivors'
+# collectives fail first (connection reset) and the death, noticed a moment later, is the cause.
+_FAILURE_GRACE_S = 1.0
 
 
 @dataclass
@@ -55,6 +58,8 @@ class _Call:
     waiting_for: set[int]  # ranks whose reply is still missing
     single: bool  # unique_reply_rank: the result is that rank's, not a list
     results: dict[int, Any] = field(default_factory=dict)
+    error: str | None = None  # the first rank's failure
+    failed_at: float = 0.0
 
 
 class MultiprocExecutor(Executor):
@@ -188,7 +193,11 @@ class MultiprocExecutor(Executor):
                         self._fail(call, RuntimeError(self.failure))
                         self.calls.pop(call_id, None)
                     return
-                if deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                for call in self.calls.values():
+                    if call.error is not None and now > call.failed_at + _FAILURE_GRACE_S:
+                        self._fail(call, RuntimeError(call.error))
+                if deadline is not None and now > deadline:
                     raise TimeoutError(f"{future.method} got no reply from every worker in time")
                 self._receive(_POLL_MS)
 
@@ -210,16 +219,19 @@ class MultiprocExecutor(Executor):
                 continue
             call.waiting_for.discard(reply.rank)
             if not reply.ok:
-                error = msgspec.msgpack.decode(frames[0], type=str)
-                failure = f"worker rank {reply.rank} failed in {call.method}: {error}"
-                self._fail(call, RuntimeError(failure))
+                if call.error is None:
+                    error = msgspec.msgpack.decode(frames[0], type=str)
+                    call.error = f"worker rank {reply.rank} failed in {call.method}: {error}"
+                    call.failed_at = time.monotonic()
             else:
                 call.results[reply.rank] = self._decoder(call.method).decode(frames)
             if not call.waiting_for:
                 # Every rank has answered (a failed call stays until then, so that the other
                 # ranks' answers to it are not mistaken for ranks out of step).
                 del self.calls[reply.call_id]
-                if not call.future.done():
+                if call.error is not None:
+                    self._fail(call, RuntimeError(call.error))
+                elif not call.future.done():
                     results = call.results
                     value = next(iter(results.values())) if call.single else [
                         results[rank] for rank in sorted(results)
