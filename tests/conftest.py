@@ -13,6 +13,10 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU, Triton kernels run in its interpreter on CPU tensors; it must be chosen before
+# any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_CONFIGS = {
     # Llama with grouped-query attention (4 query heads share 2 KV heads).

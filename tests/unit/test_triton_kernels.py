@@ -1,0 +1,197 @@
+"""Every Triton kernel against its pure-torch reference: on CUDA when there is a GPU, else in
+Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set in conftest). Outputs are
+poisoned with NaN before each run, so an element a kernel fails to write fails the test.
+
+Error measure: max|out - ref| / max|ref|; fp32 dots run in IEEE precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import require_triton
+
+from tokenmill.kernels.reference import paged_attention as reference_attention
+from tokenmill.kernels.reference import write_kv_cache
+from tokenmill.protocol.utils import cdiv
+from tokenmill.worker.layers.activation import SiluAndMul
+from tokenmill.worker.layers.layernorm import RMSNorm
+from tokenmill.worker.layers.rotary import RotaryEmbedding, apply_rotary
+
+require_triton()
+from tokenmill.kernels import attention as triton_attention  # noqa: E402
+from tokenmill.kernels import layers as triton_layers  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# The interpreter computes 16-bit types wrongly; there the kernels run in fp32 and fp16.
+DTYPES = (
+    [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32, torch.float16]
+)
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert not out.isnan().any(), "the kernel left elements unwritten (NaN)"
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def poisoned(like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, float("nan"), device=DEVICE)
+
+
+def paged_batch(query_lens, seq_lens, block_size, kv_heads, head_size, dtype, seed=0):
+    """Requests with disjoint random blocks (never block 0), their earlier context already in
+    the cache, this step's K/V not yet written; the table rows padded with block 0."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(cdiv(s, block_size) for s in seq_lens) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables = [[perm.pop() for _ in range(cdiv(s, block_size))] for s in seq_lens]
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_size, generator=g)
+    cache = cache.to(dtype)
+    slots = torch.tensor(
+        [
+            t[p // block_size] * block_size + p % block_size
+            for t, s, q in zip(tables, seq_lens, query_lens)
+            for p in range(s - q, s)
+        ]
+    )
+    max_blocks = max(len(t) for t in tables)
+    block_table = torch.zeros(len(tables), max_blocks + 1, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        block_table[r, : len(t)] = torch.tensor(t)
+    return tables, cache, slots, block_table, g
+
+
+def tiles(query_lens, block_q, first_req=0):
+    req, q = [], []
+    for r, n in enumerate(query_lens[first_req:], start=first_req):
+        for start in range(0, n, block_q):
+            req.append(r)
+            q.append(start)
+    return torch.tensor(req, dtype=torch.int32), torch.tensor(q, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_size, block_size",
+    [(4, 2, 32, 16), (6, 1, 16, 16), (4, 4, 24, 32)],  # GQA 2, GQA 6 (padded), MHA, d=24
+)
+def test_cache_write_and_attention_match_reference(heads, kv_heads, head_size, block_size, dtype):
+    # Two decodes (ragged, the first with a partly filled last block), then a chunked prefill
+    # continuing 20 tokens of context, then a fresh prompt.
+    query_lens = [1, 1, 13, 21]
+    seq_lens = [37, 9, 33, 21]
+    tables, cache, slots, block_table, g = paged_batch(
+        query_lens, seq_lens, block_size, kv_heads, head_size, dtype
+    )
+    total = sum(query_lens)
+    query = torch.randn(total, heads, head_size, generator=g).to(dtype)
+    # Keys/values as strided views of a fused qkv tensor, as the model passes them.
+    qkv = torch.randn(total, heads + 2 * kv_heads, head_size, generator=g).to(dtype)
+    key, value = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    expected_cache = cache.clone()
+    write_kv_cache(expected_cache, key, value, slots)
+    expected = reference_attention(
+        query, expected_cache, tables, seq_lens, query_lens, head_size**-0.5
+    )
+
+    cache = cache.to(DEVICE)
+    slot_mapping = torch.cat((slots, torch.tensor([-1]))).to(DEVICE)  # plus a padded token
+    pad = torch.zeros(1, kv_heads, head_size, dtype=dtype)
+    triton_attention.reshape_and_cache(
+        torch.cat((key, pad)).to(DEVICE), torch.cat((value, pad)).to(DEVICE), cache, slot_mapping
+    )
+    assert torch.equal(cache.cpu(), expected_cache), "cache write differs (or wrote slot -1)"
+
+    query_start = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    args = [x.to(DEVICE) for x in (block_table, seq, query_start)]
+    for num_splits in (1, 3):  # decodes whole, then cut into 3 parts of their context
+        out = poisoned(query)
+        dec_req, dec_q = tiles(query_lens[:2], 1)
+        triton_attention.paged_attention(
+            out, query.to(DEVICE), cache, *args, dec_req.to(DEVICE), dec_q.to(DEVICE),
+            block_q=1, scale=head_size**-0.5, num_splits=num_splits, split_tokens=(0, 2),
+            block_n=16,
+        )  # fmt: skip
+        pre_req, pre_q = tiles(query_lens, 8, first_req=2)
+        triton_attention.paged_attention(
+            out, query.to(DEVICE), cache, *args, pre_req.to(DEVICE), pre_q.to(DEVICE),
+            block_q=8, scale=head_size**-0.5, block_n=16,
+        )  # fmt: skip
+        assert rel_error(out, expected) < TOLERANCE[dtype], num_splits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_decodes_split_across_programs(dtype) -> None:
+    # Contexts of 100-300 tokens cut into 2..8 parts; a padded row (seq_len 0) stays finite.
+    heads, kv_heads, head_size, block_size = 8, 2, 32, 16
+    query_lens, seq_lens = [1, 1, 1], [300, 100, 177]
+    tables, cache, slots, block_table, g = paged_batch(
+        query_lens, seq_lens, block_size, kv_heads, head_size, dtype, seed=1
+    )
+    query = torch.randn(3, heads, head_size, generator=g).to(dtype)
+    expected = reference_attention(query, cache, tables, seq_lens, query_lens, 0.125)
+    q_start = torch.arange(5, dtype=torch.int32)
+    seq = torch.tensor([*seq_lens, 0], dtype=torch.int32)
+    table = torch.cat((block_table, torch.zeros_like(block_table[:1])))
+    padded_query = torch.cat((query, torch.zeros_like(query[:1])))
+    for num_splits in (2, 5, 8):
+        out = poisoned(padded_query)
+        req = torch.arange(4, dtype=torch.int32, device=DEVICE)
+        triton_attention.paged_attention(
+            out, padded_query.to(DEVICE), cache.to(DEVICE), table.to(DEVICE), seq.to(DEVICE),
+            q_start.to(DEVICE), req, torch.zeros_like(req), block_q=1, scale=0.125,
+            num_splits=num_splits, split_tokens=(0, 4), block_n=16,
+        )  # fmt: skip
+        assert rel_error(out[:3], expected) < TOLERANCE[dtype], num_splits
+        assert torch.isfinite(out[3].float()).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(dtype, with_residual) -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = 96  # not a power of two: the tile's tail is masked
+    norm = RMSNorm(hidden, eps=1e-5)
+    norm.weight.data = torch.randn(hidden, generator=g)
+    norm = norm.to(dtype)
+    x = torch.randn(19, hidden, generator=g).to(dtype)
+    residual = torch.randn(19, hidden, generator=g).to(dtype)
+    if with_residual:
+        expected, expected_residual = norm(x.clone(), residual.clone())
+        r = residual.to(DEVICE)
+        out = triton_layers.rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5, r, poisoned(x))
+        assert rel_error(r, expected_residual) < TOLERANCE[dtype]
+    else:
+        expected = norm(x)
+        out = triton_layers.rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5, out=poisoned(x))
+    assert rel_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_matches_torch(dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_size = 6, 2, 32
+    rope = RotaryEmbedding(head_size, 256, {"rope_theta": 10000.0})
+    positions = torch.randint(0, 256, (21,), generator=g)
+    qkv = torch.randn(21, heads + 2 * kv_heads, head_size, generator=g).to(dtype)
+    qk = qkv[:, : heads + kv_heads]  # a strided view, rotated in place
+    expected = apply_rotary(qk, rope.cos_sin(positions, dtype))
+    untouched = qkv[:, heads + kv_heads :].clone()
+    qkv = qkv.to(DEVICE)
+    view = qkv[:, : heads + kv_heads]
+    triton_layers.rotary_embedding_(
+        view, positions.to(DEVICE), rope.cos.to(DEVICE), rope.sin.to(DEVICE)
+    )
+    assert rel_error(view, expected) < TOLERANCE[dtype]
+    assert torch.equal(qkv[:, heads + kv_heads :].cpu(), untouched), "v was written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 2 * 80, generator=g).to(dtype)
+    expected = SiluAndMul()(x.clone())
+    out = triton_layers.silu_and_mul(x.to(DEVICE), out=poisoned(expected))
+    assert rel_error(out, expected) < TOLERANCE[dtype]
