@@ -149,9 +149,17 @@ class ParallelConfig:
         )
 
 
+ATTENTION_BACKENDS = ("TORCH_SDPA", "TRITON_ATTN")  # vLLM's names
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"  # resolved: "cpu" or "cuda"
+    # Resolved: "TRITON_ATTN" (Triton attention and layers; the CUDA default) or "TORCH_SDPA"
+    # (pure torch; the CPU default). Triton on the CPU runs in its interpreter: for tests.
+    attention_backend: str = "TORCH_SDPA"
+    enforce_eager: bool = False  # no CUDA graphs
+    cudagraph_capture_sizes: tuple[int, ...] = ()  # decode batch sizes captured (CUDA)
 
 
 @dataclass(frozen=True)
@@ -199,6 +207,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     load_format: str = "auto"
     device: str = "auto"
+    attention_backend: str | None = None  # None: TRITON_ATTN on CUDA, TORCH_SDPA on the CPU
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -242,7 +253,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             parallel_config=_parallel_config(self, model_config),
-            device_config=DeviceConfig(device=device),
+            device_config=_device_config(self, device),
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
         )
 
@@ -269,6 +280,39 @@ def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
         f"a divisor or a multiple of the model's {kv_heads} KV heads",
     )
     return parallel
+
+
+def _device_config(args: EngineArgs, device: str) -> DeviceConfig:
+    backend = args.attention_backend
+    if backend is None:
+        backend = "TRITON_ATTN" if device == "cuda" and _has_triton() else "TORCH_SDPA"
+    known = isinstance(backend, str) and backend.upper() in ATTENTION_BACKENDS
+    expected = f"None or one of {list(ATTENTION_BACKENDS)}"
+    _check(known, "attention_backend", args.attention_backend, expected)
+    backend = backend.upper()
+    if backend == "TRITON_ATTN" and not _has_triton():
+        raise ValueError("attention_backend='TRITON_ATTN' needs triton (pip install triton)")
+    sizes = args.cudagraph_capture_sizes
+    if sizes is None:
+        # vLLM's default ladder: 1, 2, 4, then every 8 up to the largest decode batch.
+        limit = args.max_num_seqs
+        sizes = [s for s in (1, 2, 4) if s < limit] + list(range(8, limit + 8, 8))
+        sizes = sorted({min(s, limit) for s in sizes})
+    for size in sizes:
+        _check(isinstance(size, int) and size > 0, "cudagraph_capture_sizes", sizes,
+               "positive batch sizes")  # fmt: skip
+    return DeviceConfig(
+        device=device,
+        attention_backend=backend,
+        enforce_eager=args.enforce_eager,
+        cudagraph_capture_sizes=tuple(sorted(set(sizes))),
+    )
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_device(device: str) -> str:

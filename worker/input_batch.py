@@ -21,9 +21,16 @@ from tokenmill.worker.sampler import SamplingMetadata
 
 class InputBatch:
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device = torch.device("cpu"),
     ) -> None:
+        """device: where the sampler draws (seeded requests' generators live there)."""
         self.vocab_size = vocab_size
+        self.device = device
         max_blocks = cdiv(max_model_len, block_size)
         # One spare column: a request at max_model_len still appends its last sampled token.
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
@@ -88,11 +95,11 @@ class InputBatch:
             if stop_ids:
                 self.stop_ids_until_min[row] = stop_ids
         if params.seed is not None and not params.greedy:
-            generator = torch.Generator().manual_seed(params.seed)
+            generator = torch.Generator(self.device).manual_seed(params.seed)
             # A preempted request comes back with outputs: replay the draws the sampler made
             # for them (one vocabulary-sized draw per token) so it continues where it was.
             for _ in new.output_token_ids:
-                torch.empty(self.vocab_size).exponential_(generator=generator)
+                torch.empty(self.vocab_size, device=self.device).exponential_(generator=generator)
             self.generators[row] = generator
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:

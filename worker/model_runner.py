@@ -11,16 +11,19 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 
 import numpy as np
 import torch
 
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
-from tokenmill.worker.attention.base import StepAttentionInputs
+from tokenmill.protocol.utils import cdiv
+from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.layers.custom_op import use_triton_layers
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 
@@ -33,19 +36,16 @@ class ModelRunner:
         self.device = device
         self.dtype = getattr(torch, config.model_config.dtype)
         self.block_size = config.cache_config.block_size
-        # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
-        self.attn_backend = (
-            TorchAttentionBackend(decode_group_bytes=None)
-            if device.type == "cuda"
-            else TorchAttentionBackend()
-        )
+        self.use_triton = config.device_config.attention_backend == "TRITON_ATTN"
+        self.attn_backend = make_attention_backend(config, device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
 
     def load_model(self) -> None:
-        self.model = get_model(self.config, self.device, self.attn_backend)
+        with use_triton_layers(self.use_triton):
+            self.model = get_model(self.config, self.device, self.attn_backend)
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
         assert self.model is not None
@@ -75,34 +75,61 @@ class ModelRunner:
             config.model_config.max_model_len,
             self.block_size,
             self.config.model_config.vocab_size,
+            self.device,
         )
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """Runs the largest step the scheduler may send (a full token budget of prefill, then
-        logits and sampling for max_num_seqs rows) before the KV cache exists, so that the
-        device's peak memory includes activations. The attention layers skip their cache
-        writes while they hold no cache."""
+        """Runs the largest steps the scheduler may send before the KV cache exists, so that
+        the device's peak memory includes their activations and scratch: a full token budget
+        of prefill, then max_num_seqs decodes with long contexts (the attention backend's
+        per-step scratch grows with them), then logits and sampling for max_num_seqs rows.
+        Every attention layer gets a one-block stand-in cache that all slots map to."""
         assert self.model is not None
         sched = self.config.scheduler_config
+        max_pos = self.config.model_config.max_position_embeddings
         num_tokens = sched.max_num_batched_tokens
-        positions = np.arange(num_tokens) % self.config.model_config.max_position_embeddings
-        inputs = StepAttentionInputs(
-            num_decodes=0,
-            query_lens=np.array([num_tokens]),
-            seq_lens=np.array([num_tokens]),
-            block_table=np.zeros((1, 1), dtype=np.int64),
-            slot_mapping=np.zeros(num_tokens, dtype=np.int64),
-            block_size=self.block_size,
-            device=self.device,
-            dtype=self.dtype,
-        )
-        with set_forward_context(self.attn_backend.build_metadata(inputs)):
-            hidden = self.model(
-                torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-                torch.from_numpy(positions).to(self.device),
+        num_decodes = min(sched.max_num_seqs, num_tokens)
+        # The Triton backend's decode scratch grows with the context (up to its split limit);
+        # the torch backend's with the contexts' total, which the KV cache bounds, not this.
+        context = self.block_size
+        if self.use_triton:
+            context = min(self.config.model_config.max_model_len, _PROFILE_DECODE_CONTEXT)
+        steps = [
+            ([num_tokens], [num_tokens], 0),  # one long prefill
+            ([1] * num_decodes, [context] * num_decodes, num_decodes),  # decodes only
+        ]
+        layers = self.model.attention_layers()
+        for attn in layers:
+            attn.kv_cache = torch.zeros(
+                (1, 2, self.block_size, attn.num_kv_heads, attn.head_size),
+                dtype=self.dtype,
+                device=self.device,
             )
-        rows = min(sched.max_num_seqs, num_tokens)
+        try:
+            for query_lens, seq_lens, decodes in steps:
+                total = sum(query_lens)
+                inputs = StepAttentionInputs(
+                    num_decodes=decodes,
+                    query_lens=np.array(query_lens),
+                    seq_lens=np.array(seq_lens),
+                    block_table=np.zeros(
+                        (len(seq_lens), cdiv(max(seq_lens), self.block_size)), dtype=np.int64
+                    ),
+                    slot_mapping=np.zeros(total, dtype=np.int64),
+                    block_size=self.block_size,
+                    device=self.device,
+                    dtype=self.dtype,
+                )
+                with set_forward_context(self.attn_backend.build_metadata(inputs)):
+                    hidden = self.model(
+                        torch.zeros(total, dtype=torch.long, device=self.device),
+                        torch.arange(total, device=self.device) % max_pos,
+                    )
+        finally:
+            for attn in layers:
+                attn.kv_cache = torch.empty(0)
+        rows = min(sched.max_num_seqs, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         self.sampler(logits, _profile_sampling_metadata(rows, self.device))
 
@@ -167,6 +194,27 @@ class ModelRunner:
             for i, token in zip(np.flatnonzero(done).tolist(), tokens.tolist()):
                 sampled_ids[i] = [token]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids)
+
+
+# Context length of the profiled decode step (its scratch stops growing well before this).
+_PROFILE_DECODE_CONTEXT = 8192
+
+
+def make_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    """The configured backend. Triton on the CPU runs in Triton's interpreter (for tests: it
+    is slow), which must be chosen before any kernel module is imported."""
+    if config.device_config.attention_backend == "TRITON_ATTN":
+        if device.type == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from tokenmill.worker.attention.triton_backend import TritonAttentionBackend
+
+        model, tp = config.model_config, config.parallel_config.tensor_parallel_size
+        kv_heads = max(1, model.num_kv_heads // tp)  # replicated when fewer than the ranks
+        return TritonAttentionBackend(kv_heads, (model.num_attention_heads // tp) // kv_heads)
+    # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
+    if device.type == "cuda":
+        return TorchAttentionBackend(decode_group_bytes=None)
+    return TorchAttentionBackend()
 
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

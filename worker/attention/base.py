@@ -29,6 +29,10 @@ class StepAttentionInputs:
 
 
 class AttentionBackend(ABC):
+    def set_block_bytes(self, block_bytes: int) -> None:
+        """The KV cache's page size (K+V of one block in one layer), told once the cache is
+        sized; backends that size their scratch by it override this."""
+
     @abstractmethod
     def build_metadata(self, inputs: StepAttentionInputs) -> Any:
         """Turns the step description into what `forward` reads; called once per step."""

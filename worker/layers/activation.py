@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from tokenmill.worker.layers.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+class SiluAndMul(CustomOp):
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """Overwrites the gate half of x (a temporary of the MLP)."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate, inplace=True) * up
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        from tokenmill.kernels.layers import silu_and_mul
+
+        return silu_and_mul(x)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.worker.layers.custom_op import CustomOp
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -22,7 +24,7 @@ class RMSNorm(nn.Module):
             y = y.to(dtype)
         return y.mul_(self.weight)
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With a residual: adds x into it (in place; the caller hands it over) and normalizes
@@ -31,3 +33,14 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual.add_(x)
         return self._norm(residual), residual
+
+    def forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from tokenmill.kernels.layers import rms_norm
+
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # per-head norms (Qwen3) come as [T, heads, d]
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps).view(shape)
+        return rms_norm(x, self.weight, self.eps, residual).view(shape), residual

@@ -1,9 +1,10 @@
 """Rotary position embedding (rotate-half / NeoX style, as HF Llama applies it).
 
 cos/sin tables for every position up to max_position are computed once, in fp32, exactly
-as HF computes them, so that results match HF bit for bit. The model looks up the step's
-positions once (`cos_sin`) and every layer rotates with them (`apply_rotary`). Supports
-rope_type "default", "linear" and "llama3".
+as HF computes them, so that results match HF bit for bit. The model prepares the step's
+rotation once (`prepare`: the torch path looks up cos/sin for the step's positions) and every
+layer applies it (`StepRotation.apply`; the Triton path rotates in place from the tables).
+Supports rope_type "default", "linear" and "llama3".
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+
+from tokenmill.worker.layers.custom_op import CustomOp
 
 
 def _inv_freq(head_size: int, theta: float) -> torch.Tensor:
@@ -35,7 +37,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_size = head_size
@@ -53,6 +55,12 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotation:
+        """The step's rotation, for every layer to apply to its queries and keys."""
+        if self.use_triton:
+            return TritonRotation(positions, self.cos, self.sin)
+        return TorchRotation(*self.cos_sin(positions, dtype))
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -72,3 +80,28 @@ def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) ->
     sign moves onto sin's first half: the same products, bit for bit, in fewer ops."""
     cos, signed_sin = cos_sin
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class StepRotation:
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotates x: [T, heads, d]; the result may be x itself, rotated in place."""
+        raise NotImplementedError
+
+
+class TorchRotation(StepRotation):
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        self.cos_sin = (cos, signed_sin)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, self.cos_sin)
+
+
+class TritonRotation(StepRotation):
+    def __init__(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.positions, self.cos, self.sin = positions, cos, sin
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        from tokenmill.kernels.layers import rotary_embedding_
+
+        rotary_embedding_(x, self.positions, self.cos, self.sin)
+        return x

@@ -24,7 +24,7 @@ from tokenmill.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tokenmill.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.worker.layers.rotary import RotaryEmbedding, StepRotation
 
 
 class LlamaAttention(nn.Module):
@@ -50,14 +50,14 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5, backend
         )
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: StepRotation, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_size)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Queries and keys rotate together: one set of elementwise ops instead of two.
-        qk = apply_rotary(qk, rope)
+        qk = rope.apply(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v))
 
@@ -88,7 +88,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: StepRotation,
         x: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +120,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        rope = self.rotary_emb.prepare(positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
