@@ -41,6 +41,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.kv_sizing.num_blocks)
         self._rejected: list[EngineCoreOutput] = []
         self._stats = _StepStats()
+        # With TOKENMILL_STEP_TIMING: seconds per stage, summed over steps (see envs).
+        self.step_timing = envs.TOKENMILL_STEP_TIMING
+        self.step_times: dict[str, float] = {}
+        self.num_timed_steps = 0
 
     def _initialize_kv_cache(self, config: EngineConfig) -> KVCacheSizing:
         specs = self.executor.get_kv_cache_specs()
@@ -101,14 +105,26 @@ class EngineCore:
         rejected, self._rejected = self._rejected, []
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs=rejected, timestamp=time.monotonic())
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception:
             logger.exception("the step failed; it ran %s", summarize(scheduler_output))
             raise
+        executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.outputs.extend(rejected)
+        if self.step_timing:
+            runner_times = runner_output.step_times or {}
+            self.add_step_time("schedule", scheduled - start)
+            for stage, seconds in runner_times.items():
+                self.add_step_time(stage, seconds)
+            # Whatever the runner did not time: the executor's transport, mostly.
+            self.add_step_time("executor", executed - scheduled - sum(runner_times.values()))
+            self.add_step_time("update", time.perf_counter() - executed)
+            self.num_timed_steps += 1
         self._stats.record(self, scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
 
@@ -126,7 +142,15 @@ class EngineCore:
             "num_blocks": self.kv_sizing.num_blocks,
             "block_size": self.kv_sizing.block_size,
             "max_model_len": self.config.model_config.max_model_len,
+            **(
+                {"step_time_s": dict(self.step_times), "num_timed_steps": self.num_timed_steps}
+                if self.step_timing
+                else {}
+            ),
         }
+
+    def add_step_time(self, stage: str, seconds: float) -> None:
+        self.step_times[stage] = self.step_times.get(stage, 0.0) + seconds
 
     def check_health(self) -> bool:
         self.executor.check_health()

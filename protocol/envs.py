@@ -46,6 +46,10 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     "TOKENMILL_CPU_MALLOC_TUNING": _bool("TOKENMILL_CPU_MALLOC_TUNING", True),
     # Seconds between the engine's one-line stats summaries while busy.
     "TOKENMILL_LOG_STATS_INTERVAL": _float("TOKENMILL_LOG_STATS_INTERVAL", 5.0),
+    # 1 times every step's stages (schedule, prepare, forward, logits, sample, update, output; the
+    # device is synchronized around the forward) and reports the sums in get_stats()
+    # under "step_time_s". Off by default: the synchronization costs overlap on a GPU.
+    "TOKENMILL_STEP_TIMING": _bool("TOKENMILL_STEP_TIMING", False),
 }
 
 

@@ -49,6 +49,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ign
     req_ids: list[str]
     # One list per request in req_ids: empty while a prompt is still being prefilled.
     sampled_token_ids: list[list[int]]
+    # With TOKENMILL_STEP_TIMING: seconds in "prepare", "forward", "logits", "sample".
+    step_times: dict[str, float] | None = None
 
 
 class KVCacheSpec(msgspec.Struct, frozen=True, array_like=True):  # type: ignore[call-arg]

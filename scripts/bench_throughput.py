@@ -23,6 +23,11 @@ spares HF page faults; the default `mp` mode leaves this process as it is.
     python scripts/bench_throughput.py --model scripts/configs/qwen2.5-0.5b --load-format dummy \
         --tensor-parallel-size 1 2 --rounds 2
 
+`--hf-requests N` gives HF only the first N requests (its rate is then measured on them: HF
+alone needs minutes for all of W1 on a GPU). `--step-times` times every tokenmill step's
+stages (TOKENMILL_STEP_TIMING=1: the device is synchronized around each forward) and prints
+where the last round's time went, per step.
+
 `--tensor-parallel-size 1 2` runs one engine per size (alternating, like the rounds); at TP > 1
 the ranks are worker processes that split this machine's cores and its KV cache budget.
 Dummy weights are drawn per rank, so their tokens differ between sizes (the counts do not:
@@ -79,6 +84,9 @@ def start_tokenmill(args: argparse.Namespace, workload: Workload, multiprocess: 
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": workload.prompts[0][:32]}], warm, use_tqdm=False)
     return llm
+
+
+STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output", "executor")
 
 
 def run_tokenmill(llm, workload: Workload) -> float:
@@ -145,6 +153,31 @@ def run_hf(model, workload: Workload, device: str) -> tuple[float, int]:
     return elapsed, sum(workload.output_lens)
 
 
+def step_split(before: dict, after: dict) -> tuple[dict[str, float], int]:
+    """Seconds per stage and the number of steps between two get_stats() snapshots."""
+    old, new = before.get("step_time_s", {}), after.get("step_time_s", {})
+    seconds = {stage: new.get(stage, 0.0) - old.get(stage, 0.0) for stage in new}
+    return seconds, after.get("num_timed_steps", 0) - before.get("num_timed_steps", 0)
+
+
+def print_step_split(name: str, seconds: dict[str, float], steps: int, wall: float) -> None:
+    if not steps:
+        return
+    print(f"\n{name}, last round: {steps} steps, {1e3 * wall / steps:.2f} ms per step (wall)")
+    print(
+        "| {:<10} | {:>9} | {:>11} | {:>7} |".format("stage", "total (s)", "ms per step", "share")
+    )
+    print(f"|{'-' * 12}|{'-' * 11}|{'-' * 13}|{'-' * 9}|")
+    for stage in STAGES:
+        if stage in seconds:
+            s = seconds[stage]
+            print(f"| {stage:<10} | {s:>9.2f} | {1e3 * s / steps:>11.3f} | {s / wall:>6.1%} |")
+    rest = wall - sum(seconds.values())
+    print(
+        f"| {'elsewhere':<10} | {rest:>9.2f} | {1e3 * rest / steps:>11.3f} | {rest / wall:>6.1%} |"
+    )
+
+
 def _sync(device: str) -> None:
     import torch
 
@@ -194,7 +227,15 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="alternating runs per engine; the best is reported"
     )
+    parser.add_argument(
+        "--hf-requests", type=int, default=None, metavar="N", help="HF runs the first N only"
+    )
+    parser.add_argument(
+        "--step-times", action="store_true", help="print the per-step time split of tokenmill"
+    )
     args = parser.parse_args()
+    if args.step_times:
+        os.environ["TOKENMILL_STEP_TIMING"] = "1"  # read by the engine core and workers
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
@@ -232,22 +273,31 @@ def main() -> None:
         for mode, tp in engines_spec
     ]
     hf_model = None
+    hf_workload = workload
+    if args.hf_requests is not None:
+        n = args.hf_requests
+        hf_workload = Workload(workload.prompts[:n], workload.output_lens[:n])
     if args.compare == "hf":
         names.append("hf transformers")
         hf_model = load_hf(args, model_path, device, dtype)
     times: dict[str, list[float]] = {name: [] for name in names}
-    tokens = sum(workload.output_lens)
+    tokens = {name: sum(workload.output_lens) for name in names}
+    tokens["hf transformers"] = sum(hf_workload.output_lens)
     engines = [start_tokenmill(args, workload, mode == "mp", tp) for mode, tp in engines_spec]
+    splits: dict[str, tuple[dict[str, float], int]] = {}
     for _ in range(args.rounds):
         for llm, name in zip(engines, names):
+            before = llm.get_stats()
             times[name].append(run_tokenmill(llm, workload))
+            if args.step_times:
+                splits[name] = step_split(before, llm.get_stats())
         if hf_model is not None:
-            times["hf transformers"].append(run_hf(hf_model, workload, device)[0])
+            times["hf transformers"].append(run_hf(hf_model, hf_workload, device)[0])
     for llm in engines:
         llm.shutdown()
 
     best = {name: min(ts) for name, ts in times.items()}
-    base = tokens / best["hf transformers"] if args.compare else None
+    base = tokens["hf transformers"] / best["hf transformers"] if args.compare else None
     print()
     if args.rounds > 1:
         print(f"best of {args.rounds} alternating rounds per engine")
@@ -255,9 +305,15 @@ def main() -> None:
     print("| {:<26} | {:>9} | {:>13} | {:>12} | {:>6} |".format(*header))
     print(f"|{'-' * 28}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|")
     for name in names:
-        rate = tokens / best[name]
+        rate = tokens[name] / best[name]
         ratio = f"{rate / base:.2f}x" if base else "-"
-        print(f"| {name:<26} | {best[name]:>9.2f} | {tokens:>13} | {rate:>12.1f} | {ratio:>6} |")
+        print(
+            f"| {name:<26} | {best[name]:>9.2f} | {tokens[name]:>13} | {rate:>12.1f} | {ratio:>6} |"
+        )
+    if args.hf_requests is not None and args.compare:
+        print(f"(HF ran the first {len(hf_workload.prompts)} requests only)")
+    for name, (seconds, steps) in splits.items():
+        print_step_split(name, seconds, steps, times[name][-1])
     if args.rounds > 1:
         for name in names:
             print(f"{name} rounds (s): " + ", ".join(f"{t:.2f}" for t in times[name]))

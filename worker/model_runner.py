@@ -12,11 +12,13 @@ import logging
 import math
 import mmap
 import os
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenmill.protocol.utils import cdiv
@@ -46,6 +48,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.step_timing = envs.TOKENMILL_STEP_TIMING
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
 
     def load_model(self) -> None:
@@ -164,6 +167,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.input_batch
         assert batch is not None and self.model is not None, "initialize_kv_cache() first"
+        timer = _StepTimer(self.device) if self.step_timing else None
         batch.apply(out)
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -194,6 +198,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and num_decodes == total and graphs.padded_size(total) is not None:
             width = cdiv(int(seq_lens.max()), bs)
+            if timer is not None:
+                timer.lap("prepare")  # the copies into the graph's buffers count as forward
             hidden = graphs.run(
                 input_ids, positions, slot_mapping, seq_lens, batch.block_table[rows, :width]
             )
@@ -209,11 +215,15 @@ class ModelRunner:
                 dtype=self.dtype,
             )
             metadata = self.attn_backend.build_metadata(attn_inputs)
+            if timer is not None:
+                timer.lap("prepare")
             with set_forward_context(metadata):
                 hidden = self.model(
                     torch.from_numpy(input_ids).to(self.device),
                     torch.from_numpy(positions).to(self.device),
                 )
+        if timer is not None:
+            timer.lap("forward")
         batch.num_computed_tokens[rows] = seq_lens
 
         # Only requests whose every token is now computed produce a token this step.
@@ -223,12 +233,20 @@ class ModelRunner:
         if len(sample_rows):
             last_token = torch.from_numpy(cu_query[1:][done] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last_token])
+            if timer is not None:
+                timer.lap("logits")
             meta = batch.sampling_metadata(sample_rows, self.device)
             tokens = self.sampler(logits, meta).cpu().numpy()
             batch.append_tokens(sample_rows, tokens)
             for i, token in zip(np.flatnonzero(done).tolist(), tokens.tolist()):
                 sampled_ids[i] = [token]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids)
+        step_times = None
+        if timer is not None:
+            timer.lap("sample")
+            step_times = timer.times
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=sampled_ids, step_times=step_times
+        )
 
 
 # Context length of the profiled decode step (its scratch stops growing well before this).
@@ -283,3 +301,20 @@ def _profile_sampling_metadata(rows: int, device: torch.device) -> SamplingMetad
         generators={},
         banned_token_ids={},
     )
+
+
+class _StepTimer:
+    """Wall time of a step's stages; the device is synchronized at every lap, so that a
+    stage's queued kernels count where they were launched."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times[stage] = self.times.get(stage, 0.0) + now - self.last
+        self.last = now
