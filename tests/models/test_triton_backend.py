@@ -1,7 +1,8 @@
 """The Triton attention backend and Triton layers, wired into the whole engine: on the CPU they
-run in Triton's interpreter (slow, so the batch is small) and must give the torch backend's
-greedy tokens through mixed prefill/decode steps, chunked prefills, a prefix-cache hit and
-preemptions; launch counters prove that every kernel ran (a torch fallback cannot pass)."""
+run in Triton's interpreter (slow, so the batch is small; on a GPU they run compiled) and must
+give the torch backend's greedy tokens through mixed prefill/decode steps, chunked prefills, a
+prefix-cache hit and preemptions; launch counters prove that every kernel ran (a torch
+fallback cannot pass)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def run(
 ) -> tuple[list[list[int]], dict]:
     llm = LLM(
         model,
-        device="cpu",
+        device="cuda" if torch.cuda.is_available() else "cpu",
         dtype="float32",
+        enforce_eager=True,  # CUDA graphs have their own test
         skip_tokenizer_init=True,
         attention_backend=backend,
         max_model_len=128,
