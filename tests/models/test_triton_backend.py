@@ -6,10 +6,13 @@ fallback cannot pass)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import require_triton
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.protocol.config import EngineArgs
+from tokenmill.worker.model_runner import ModelRunner
 
 require_triton()
 from tokenmill.kernels.launches import LAUNCHES  # noqa: E402
@@ -74,9 +77,10 @@ def run(
         llm.shutdown()
 
 
-def test_triton_engine_matches_torch_engine(tiny_model, monkeypatch) -> None:
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3"])  # qwen3: per-head q/k norms
+def test_triton_engine_matches_torch_engine(tiny_model, monkeypatch, name: str) -> None:
     monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")  # in this process, to read the counters
-    model = str(tiny_model("llama-gqa"))
+    model = str(tiny_model(name))
     expected, torch_stats = run(model, "TORCH_SDPA")
     LAUNCHES.clear()
     # Short contexts still split into parts (flash-decoding) with a small split size.
@@ -94,6 +98,31 @@ def test_padded_static_decode_batches_match(tiny_model, monkeypatch) -> None:
     monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")
     model = str(tiny_model("llama-gqa"))
     expected, _ = run(model, "TRITON_ATTN")
-    tokens, stats = run(model, "TRITON_ATTN", static_decodes=True, min_split_tokens=16)
+    tokens, stats = run(
+        model, "TRITON_ATTN", static_decodes=True, min_split_tokens=16, max_splits=4
+    )
     assert tokens == expected
     assert stats["static_decode_steps"] > 10, stats
+
+
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
+def test_profile_run_covers_prefill_and_split_decodes(tiny_model, backend: str) -> None:
+    """The memory-profiling step runs before any KV cache exists: a full token budget of
+    prefill, then max_num_seqs decodes with long contexts (split across programs), and leaves
+    no cache behind."""
+    config = EngineArgs(
+        model=str(tiny_model("llama-gqa")),
+        device="cpu",
+        dtype="float32",
+        attention_backend=backend,
+        skip_tokenizer_init=True,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    ).create_engine_config()
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    LAUNCHES.clear()
+    runner.profile_run()
+    if backend == "TRITON_ATTN":
+        assert LAUNCHES["combine_splits"] > 0, dict(LAUNCHES)
+    assert all(a.kv_cache.numel() == 0 for a in runner.model.attention_layers())
