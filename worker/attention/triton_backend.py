@@ -8,8 +8,8 @@ across `num_splits` programs (flash-decoding) and the parts are merged. Prefill 
 tiles of `prefill_block_q` tokens. In each layer `forward` writes the new K/V into the cache,
 then launches the decode tiles and the prefill tiles.
 
-For CUDA graphs the metadata can live in persistent buffers (`StaticDecodeBuffers`): a
-captured decode step reads whatever the buffers hold when it is replayed.
+For CUDA graphs the same metadata is made of views of persistent buffers (`DecodeGraphs` in
+worker/cuda_graph.py): a captured decode step reads whatever they hold when it is replayed.
 """
 
 from __future__ import annotations
