@@ -14,8 +14,9 @@ is cut into that many equal parts, one program each; they write partial outputs 
 log-sum-exp, and `_combine_splits` merges them, so that a few long requests still fill the GPU.
 
 `FP32_DOT` (fp32 caches, and the interpreter, where 16-bit arithmetic is not exact) upcasts
-every operand after loading and multiplies in IEEE fp32; otherwise the dots run in the cache's
-16-bit type with fp32 accumulation.
+every operand after loading and multiplies in IEEE fp32 (no tensor cores: on a GPU its tiles
+are kept to 32 x 32 so that they fit in shared memory without spilling); otherwise the dots
+run in the cache's 16-bit type with fp32 accumulation, and scores are scaled in fp32.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def reshape_and_cache(
     slot_mapping[i] (block slot // block_size, offset slot % block_size); slot -1 skips it."""
     num_tokens, kv_heads, head_size = key.shape
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.is_contiguous()
-    block_t = 16
+    elems = triton.next_power_of_2(kv_heads * head_size)
+    block_t = max(1, min(16, 2048 // elems))  # about 2K elements of K (and V) per program
     count_launch("reshape_and_cache")
     _reshape_and_cache_kernel[(triton.cdiv(num_tokens, block_t),)](
         key,
@@ -93,7 +95,7 @@ def reshape_and_cache(
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_D=head_size,
         ELEMS=kv_heads * head_size,
-        BLOCK_E=triton.next_power_of_2(kv_heads * head_size),
+        BLOCK_E=elems,
         BLOCK_T=block_t,
     )
 
@@ -160,7 +162,6 @@ def _paged_attention_kernel(
     )
     if FP32_DOT:
         q = q.to(tl.float32)
-    q = q * scale  # pre-scaled once, not every score
 
     # Keys this tile may see: up to its last token's position (causal), then this split's part.
     kv_end = tl.minimum(seq_len, context + q_first + BLOCK_Q)
@@ -187,9 +188,9 @@ def _paged_attention_kernel(
             other=0.0,
         )  # [D, N]
         if FP32_DOT:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale
         else:
-            s = tl.dot(q.to(k.dtype), k)
+            s = tl.dot(q, k) * scale
         visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -291,7 +292,8 @@ def paged_attention(
     scale: float,
     num_splits: int = 1,
     split_tokens: tuple[int, int] = (0, 0),
-    block_n: int = 64,
+    split_scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int | None = None,
 ) -> None:
     """Attends the query tiles (request `tile_req[i]`'s tokens from its `tile_q[i]`-th new
     one, `block_q` of them) to their paged context; writes those tokens' rows of `out`
@@ -299,7 +301,9 @@ def paged_attention(
 
     num_splits > 1 cuts each request's context into that many parts (flash-decoding); the
     tiles' tokens must then be the rows `split_tokens = (first, count)` of the batch (the
-    decodes). `block_n`: keys per iteration."""
+    decodes); `split_scratch` = (partial outputs [count, heads, num_splits, d], their
+    log-sum-exp [count, heads, num_splits]), fp32, may be given to be reused across layers.
+    `block_n`: keys per iteration (default: 64; 32 for fp32 on a GPU, see FP32_DOT)."""
     num_tiles = tile_req.shape[0]
     if num_tiles == 0:
         return
@@ -308,13 +312,17 @@ def paged_attention(
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     assert query.stride(2) == 1 and out.stride(2) == 1 and kv_cache.is_contiguous()
+    fp32_dot = kv_cache.dtype == torch.float32 or query.device.type == "cpu"
+    if block_n is None:
+        block_n = 32 if fp32_dot and query.device.type == "cuda" else 64
     split = num_splits > 1
     first, count = split_tokens
     if split:
         assert count > 0, "a split launch names the rows it covers (split_tokens)"
-        shape = (count, num_heads, num_splits)
-        lse = torch.empty(shape, dtype=torch.float32, device=out.device)
-        target = torch.empty((*shape, head_size), dtype=torch.float32, device=out.device)
+        if split_scratch is None:
+            split_scratch = split_scratch_for(count, num_heads, num_splits, head_size, out.device)
+        target, lse = split_scratch
+        assert target.shape == (count, num_heads, num_splits, head_size), target.shape
     else:
         lse = target = out
     count_launch("paged_attention")
@@ -350,7 +358,7 @@ def paged_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
         BLOCK_SIZE=kv_cache.shape[2],
         SPLIT=split,
-        FP32_DOT=kv_cache.dtype == torch.float32 or query.device.type == "cpu",
+        FP32_DOT=fp32_dot,
     )
     if split:
         rows = count * num_heads
@@ -370,3 +378,12 @@ def paged_attention(
             BLOCK_D=max(16, triton.next_power_of_2(head_size)),
             BLOCK_R=block_r,
         )
+
+
+def split_scratch_for(
+    count: int, num_heads: int, num_splits: int, head_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for the partial outputs and log-sum-exps of `count` split tokens."""
+    shape = (count, num_heads, num_splits)
+    partial = torch.empty((*shape, head_size), dtype=torch.float32, device=device)
+    return partial, torch.empty(shape, dtype=torch.float32, device=device)

@@ -46,7 +46,8 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like residual.add_(x)
         tl.store(residual_ptr + t * stride_r + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / hidden + eps)
+    # Correctly rounded, as torch's fp32 rsqrt (the fast approximations differ in the last bits).
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(xf * xf, 1) / hidden + eps))
     y = (xf * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + cols[None, :], (y * w[None, :]).to(dtype), mask=mask)

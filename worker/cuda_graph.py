@@ -27,6 +27,7 @@ from tokenmill.worker.attention.triton_backend import (
     TritonAttentionMetadata,
 )
 from tokenmill.worker.forward_context import set_forward_context
+from tokenmill.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -48,32 +49,46 @@ class DecodeGraphs:
         self.capture_graphs = capture
         largest = self.sizes[-1]
         int32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(largest, **int32)
+        self.positions = torch.zeros(largest, **int32)
+        self.slot_mapping = torch.full((largest,), -1, **int32)
         self.seq_lens = torch.zeros(largest, **int32)
         self.block_table = torch.zeros(largest, max_blocks_per_req, **int32)
         self.query_start = torch.arange(largest + 1, **int32)  # one token per request
         self.decode_req = torch.arange(largest, **int32)
         self.tile_q = torch.zeros(largest, **int32)
         self.no_tiles = torch.zeros(0, **int32)
+        # One buffer for the split decodes' partial results, viewed per size.
+        heads, d = backend.num_heads, backend.head_size
+        rows = max(size * backend.decode_splits(size, None) for size in self.sizes)
+        self.split_buffer = torch.empty(rows * heads * (d + 1), dtype=torch.float32, device=device)
+        self.staging = HostStaging(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_steps = 0  # steps run through these buffers
 
     def metadata(self, size: int) -> TritonAttentionMetadata:
         """Views of the persistent buffers for a batch of `size` decodes."""
+        splits = self.backend.decode_splits(size, None)  # for any context length
+        scratch = None
+        if splits > 1:
+            heads, d = self.backend.num_heads, self.backend.head_size
+            n = size * heads * splits
+            partial = self.split_buffer[: n * d].view(size, heads, splits, d)
+            scratch = (partial, self.split_buffer[n * d : n * (d + 1)].view(size, heads, splits))
         return TritonAttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             block_table=self.block_table[:size],
             seq_lens=self.seq_lens[:size],
             query_start=self.query_start[: size + 1],
             num_decodes=size,
-            num_splits=self.backend.decode_splits(size, None),  # for any context length
+            num_splits=splits,
             decode_tiles=(self.decode_req[:size], self.tile_q[:size]),
             prefill_tiles=(self.no_tiles, self.no_tiles),
+            split_scratch=scratch,
         )
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Captures every size, largest first, all in one memory pool (each replay's
         activations fit in what the largest one took)."""
@@ -81,11 +96,16 @@ class DecodeGraphs:
             return
         start = time.monotonic()
         pool = None
+        side = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):
             with set_forward_context(self.metadata(size)):
-                # Warm-up runs compile the kernels (nothing may compile inside a capture).
-                for _ in range(2):
-                    self.model(self.input_ids[:size], self.positions[:size])
+                # Warm-up runs compile the kernels (nothing may compile inside a capture), on
+                # a side stream as torch recommends before a capture.
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self.model(self.input_ids[:size], self.positions[:size])
+                torch.cuda.current_stream(self.device).wait_stream(side)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -121,16 +141,20 @@ class DecodeGraphs:
         width = block_table.shape[1]
         assert width <= self.block_table.shape[1]
 
-        def put(buffer: torch.Tensor, values: np.ndarray, pad: int) -> None:
-            buffer[:n].copy_(torch.from_numpy(np.ascontiguousarray(values)))
-            buffer[n:size].fill_(pad)
+        def padded(values: np.ndarray, pad: int) -> np.ndarray:
+            return np.concatenate((values, np.full(size - n, pad, dtype=values.dtype)))
 
-        put(self.input_ids, input_ids.astype(np.int64), 0)
-        put(self.positions, positions.astype(np.int64), 0)
-        put(self.slot_mapping, slot_mapping.astype(np.int64), -1)  # padded: written nowhere
-        put(self.seq_lens, seq_lens.astype(np.int32), 0)  # padded: attends to nothing
-        # Only the first `width` columns are read: seq_lens bounds every request's reads.
-        self.block_table[:n, :width].copy_(torch.from_numpy(block_table.astype(np.int32)))
+        # Padded rows write to slot -1 (nowhere) and attend to nothing (seq_len 0). Only the
+        # block table's first `width` columns are read: seq_lens bounds every request's reads.
+        self.staging.copy_into(
+            [
+                (self.input_ids[:size], padded(input_ids, 0)),
+                (self.positions[:size], padded(positions, 0)),
+                (self.slot_mapping[:size], padded(slot_mapping, -1)),
+                (self.seq_lens[:size], padded(seq_lens, 0)),
+                (self.block_table[:n, :width], block_table),
+            ]
+        )
         graph = self.graphs.get(size)
         if graph is not None:
             graph.replay()

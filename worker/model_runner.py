@@ -29,6 +29,7 @@ from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.layers.custom_op import use_triton_layers
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
+from tokenmill.worker.staging import HostStaging
 
 if TYPE_CHECKING:  # imports triton
     from tokenmill.worker.cuda_graph import DecodeGraphs
@@ -48,6 +49,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.staging = HostStaging(device, torch.int64)
         self.step_timing = envs.TOKENMILL_STEP_TIMING
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
 
@@ -95,11 +97,9 @@ class ModelRunner:
         from tokenmill.worker.cuda_graph import DecodeGraphs
 
         assert self.model is not None and self.use_triton, "CUDA graphs need TRITON_ATTN"
-        sizes = [
-            size
-            for size in self.config.device_config.cudagraph_capture_sizes
-            if size <= self.config.scheduler_config.max_num_seqs
-        ]
+        sched = self.config.scheduler_config
+        largest = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        sizes = [s for s in self.config.device_config.cudagraph_capture_sizes if s <= largest]
         if not sizes:
             return
         max_blocks = cdiv(self.config.model_config.max_model_len, self.block_size)
@@ -194,45 +194,49 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
 
+        # Only requests whose every token is now computed produce a token this step, from
+        # the hidden state of their last token (when every token is one, no gather is needed).
+        done = seq_lens >= batch.num_tokens[rows]
+        sample_rows = rows[done]
+        gather = len(sample_rows) not in (0, total)
+        last_token = cu_query[1:][done] - 1
+
         num_decodes = int(np.count_nonzero(query_lens == 1))
+        width = cdiv(int(seq_lens.max()), bs)
         graphs = self.decode_graphs
         if graphs is not None and num_decodes == total and graphs.padded_size(total) is not None:
-            width = cdiv(int(seq_lens.max()), bs)
             if timer is not None:
                 timer.lap("prepare")  # the copies into the graph's buffers count as forward
             hidden = graphs.run(
                 input_ids, positions, slot_mapping, seq_lens, batch.block_table[rows, :width]
             )
+            last_token_t = self.staging.to_device(last_token)[0] if gather else None
         else:
             attn_inputs = StepAttentionInputs(
                 num_decodes=num_decodes,
                 query_lens=query_lens,
                 seq_lens=seq_lens,
-                block_table=batch.block_table[rows],
+                block_table=batch.block_table[rows, :width],
                 slot_mapping=slot_mapping,
                 block_size=bs,
                 device=self.device,
                 dtype=self.dtype,
             )
             metadata = self.attn_backend.build_metadata(attn_inputs)
+            ids_t, positions_t, last_token_t = self.staging.to_device(
+                input_ids, positions, last_token
+            )
             if timer is not None:
                 timer.lap("prepare")
             with set_forward_context(metadata):
-                hidden = self.model(
-                    torch.from_numpy(input_ids).to(self.device),
-                    torch.from_numpy(positions).to(self.device),
-                )
+                hidden = self.model(ids_t, positions_t)
         if timer is not None:
             timer.lap("forward")
         batch.num_computed_tokens[rows] = seq_lens
 
-        # Only requests whose every token is now computed produce a token this step.
-        done = seq_lens >= batch.num_tokens[rows]
-        sample_rows = rows[done]
         sampled_ids: list[list[int]] = [[] for _ in req_ids]
         if len(sample_rows):
-            last_token = torch.from_numpy(cu_query[1:][done] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[last_token])
+            logits = self.model.compute_logits(hidden[last_token_t] if gather else hidden)
             if timer is not None:
                 timer.lap("logits")
             meta = batch.sampling_metadata(sample_rows, self.device)
@@ -263,7 +267,13 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> Attent
 
         model, tp = config.model_config, config.parallel_config.tensor_parallel_size
         kv_heads = max(1, model.num_kv_heads // tp)  # replicated when fewer than the ranks
-        return TritonAttentionBackend(kv_heads, (model.num_attention_heads // tp) // kv_heads)
+        return TritonAttentionBackend(
+            model.num_attention_heads // tp,
+            kv_heads,
+            model.head_size,
+            device,
+            getattr(torch, model.dtype),
+        )
     # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
     if device.type == "cuda":
         return TorchAttentionBackend(decode_group_bytes=None)
