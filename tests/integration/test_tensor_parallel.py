@@ -156,3 +156,30 @@ def test_smollm2_tp3_daemon_equals_tp1(smollm2_path: str, smollm2_expected) -> N
         finally:
             llm.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_tp2_triton_backend_equals_tp1(tiny_pair, tiny_model) -> None:
+    """The Triton backend and layers (Triton's interpreter on the CPU) at TP=2, on each rank's
+    share of the heads, give the TP=1 torch engine's tokens."""
+    from helpers import require_triton
+
+    require_triton()
+    name, expected, _ = tiny_pair
+    llm = LLM(
+        str(tiny_model(name)),
+        tensor_parallel_size=2,
+        attention_backend="TRITON_ATTN",
+        device="cpu",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=-1,
+        kv_cache_memory_bytes=32 << 20,
+        max_num_batched_tokens=128,
+        block_size=8,
+    )
+    try:
+        prompts = TOKEN_PROMPTS[:4]  # few and short: the interpreter is slow
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected[:4]
+    finally:
+        llm.shutdown()
