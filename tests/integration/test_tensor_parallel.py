@@ -17,7 +17,7 @@ TOKEN_PROMPTS = [
 ]
 
 
-def tiny_llm(path, tp: int) -> LLM:
+def tiny_llm(path, tp: int, **engine_args) -> LLM:
     return LLM(
         str(path),
         multiprocess=False,  # the executor lives in this process, so tests can reach it
@@ -28,6 +28,7 @@ def tiny_llm(path, tp: int) -> LLM:
         kv_cache_memory_bytes=32 << 20,
         max_num_batched_tokens=128,
         block_size=8,
+        **engine_args,
     )
 
 
@@ -165,17 +166,8 @@ def test_tp2_triton_backend_equals_tp1(tiny_pair, tiny_model) -> None:
 
     require_triton()
     name, expected, _ = tiny_pair
-    llm = LLM(
-        str(tiny_model(name)),
-        tensor_parallel_size=2,
-        attention_backend="TRITON_ATTN",
-        device="cpu",
-        enforce_eager=True,
-        skip_tokenizer_init=True,
-        max_model_len=-1,
-        kv_cache_memory_bytes=32 << 20,
-        max_num_batched_tokens=128,
-        block_size=8,
+    llm = tiny_llm(
+        tiny_model(name), 2, attention_backend="TRITON_ATTN", device="cpu", enforce_eager=True
     )
     try:
         prompts = TOKEN_PROMPTS[:4]  # few and short: the interpreter is slow
