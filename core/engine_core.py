@@ -49,13 +49,12 @@ class EngineCore:
     def _initialize_kv_cache(self, config: EngineConfig) -> KVCacheSizing:
         specs = self.executor.get_kv_cache_specs()
         available = self.executor.determine_available_memory()
-        model = config.model_config
+        model, sched = config.model_config, config.scheduler_config
+        max_fit_len = model.max_position_embeddings
+        if not sched.enable_chunked_prefill:  # a whole prompt must fit in one step
+            max_fit_len = min(max_fit_len, sched.max_num_batched_tokens)
         sizing = compute_kv_cache_sizing(
-            specs,
-            available,
-            config.cache_config,
-            model.max_model_len,
-            model.max_position_embeddings,
+            specs, available, config.cache_config, model.max_model_len, max_fit_len
         )
         # The workers get the config as settled here (max_model_len after auto-fit).
         settled = config.with_max_model_len(sizing.max_model_len)

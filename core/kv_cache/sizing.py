@@ -42,8 +42,11 @@ def compute_kv_cache_sizing(
     available_bytes: int,
     cache_config: CacheConfig,
     max_model_len: int,
-    max_position_embeddings: int,
+    max_fit_len: int,
 ) -> KVCacheSizing:
+    """max_fit_len: the longest context `max_model_len=-1` may fit to (the model's position
+    limit, and without chunked prefill also the step's token budget, which a prompt or a
+    preempted request's recomputation must fit in)."""
     if not specs:
         raise ValueError("the model reported no attention layers, so there is no KV cache to size")
     block_sizes = {s.block_size for s in specs}
@@ -58,7 +61,7 @@ def compute_kv_cache_sizing(
     # Block 0 is the null block, so a request can use at most num_blocks - 1 blocks.
     usable_tokens = max(num_blocks - 1, 0) * block_size
     if max_model_len == -1:
-        max_model_len = min(usable_tokens, max_position_embeddings)
+        max_model_len = min(usable_tokens, max_fit_len)
         if max_model_len < 1:
             raise ValueError(_too_small_message(1, block_size, bytes_per_block, available_bytes))
         logger.info("max_model_len=-1: fitted to %d tokens", max_model_len)

@@ -75,3 +75,25 @@ def test_stats_count_preemptions_and_prefix_hits(tiny_model) -> None:
         assert out[0].num_cached_tokens == 0
     finally:
         llm.shutdown()
+
+
+def test_auto_fit_without_chunked_prefill_stays_within_the_token_budget(tiny_model) -> None:
+    """A prompt longer than max_num_batched_tokens could never be scheduled without chunked
+    prefill: the fitted max_model_len stops at the budget, and such a prompt is refused."""
+    llm = LLM(
+        str(tiny_model("llama-gqa")),
+        skip_tokenizer_init=True,
+        max_model_len=-1,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=256,
+        kv_cache_memory_bytes=200 * BYTES_PER_BLOCK,  # 3184 tokens of cache
+    )
+    try:
+        assert llm.get_stats()["max_model_len"] == 256
+        with pytest.raises(ValueError, match="max_model_len=256"):
+            llm.generate({"prompt_token_ids": [5] * 300}, use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        out = llm.generate({"prompt_token_ids": [5] * 250}, params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 6  # stops at max_model_len
+    finally:
+        llm.shutdown()
