@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, Union
 
+import msgspec
+
 from tokenmill.protocol.config import ModelConfig
 from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams
 
@@ -49,6 +51,7 @@ class InputProcessor:
                 f"prompt_token_ids of request {request_id!r} holds ids outside "
                 f"[0, {config.vocab_size}): {bad[:8]}"
             )
+        params = self._resolve_sampling(params)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -58,6 +61,32 @@ class InputProcessor:
             priority=priority,
         )
         return request, text
+
+    def _resolve_sampling(self, params: SamplingParams) -> SamplingParams:
+        """Checks token ids against the vocabulary and turns bad_words into token sequences
+        (on a copy: one SamplingParams may serve many prompts)."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} holds token ids outside [0, {vocab}): {bad[:8]}")
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init=True has none)")
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            # The word at the start of the text, and after a space when that is another token
+            # sequence of the same length (as vLLM does).
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                sequences.append(spaced)
+        return msgspec.structs.replace(params, bad_words_token_ids=sequences)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

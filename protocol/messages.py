@@ -35,6 +35,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Penalties and biases, vLLM's semantics: presence/frequency on output tokens, repetition
+    # on prompt and output tokens (> 1 discourages), logit_bias added to the logits (clamped
+    # to [-100, 100]), only allowed_token_ids may be sampled, bad_words are never completed.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    # Filled by the frontend from bad_words and its tokenizer: the token sequences to avoid.
+    bad_words_token_ids: Optional[list[list[int]]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +56,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            # JSON gives string keys; OpenAI and vLLM clamp biases to [-100, 100].
+            try:
+                self.logit_bias = {
+                    int(t): min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()
+                }
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(
+                    f"logit_bias must map token ids to numbers, got {self.logit_bias!r}"
+                ) from None
         self._verify()
 
     def _verify(self) -> None:
@@ -75,6 +96,29 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
         assert self.stop_token_ids is not None
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative token ids")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            fail("repetition_penalty", "positive")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            fail("allowed_token_ids", "a non-empty list of token ids")
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w.strip() for w in self.bad_words
+        ):
+            fail("bad_words", "a list of non-empty strings")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -16,7 +16,7 @@ import torch
 from tokenmill.protocol.messages import SamplingParams
 from tokenmill.protocol.scheduler_output import NewRequestData, SchedulerOutput
 from tokenmill.protocol.utils import cdiv
-from tokenmill.worker.sampler import SamplingMetadata
+from tokenmill.worker.sampler import Penalties, SamplingMetadata
 
 
 class InputBatch:
@@ -46,6 +46,17 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.stop_ids_until_min: dict[int, list[int]] = {}
         self.generators: dict[int, torch.Generator] = {}
+        # Penalties: per-row settings, and token statistics kept up to date on the device
+        # (allocated when the first request with a penalty arrives).
+        self.presence = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition = np.ones(max_num_reqs, dtype=np.float32)
+        self.penalty_rows: set[int] = set()
+        self.output_counts: torch.Tensor | None = None  # [rows, V] int32
+        self.prompt_mask: torch.Tensor | None = None  # [rows, V] bool
+        self.allowed_masks: dict[int, torch.Tensor] = {}  # row -> [V] bool, True where allowed
+        self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}
+        self.bad_words: dict[int, list[list[int]]] = {}
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -53,8 +64,15 @@ class InputBatch:
         for req_id in itertools.chain(out.finished_req_ids, out.preempted_req_ids):
             row = self.row_of.pop(req_id, None)
             if row is not None:
-                self.generators.pop(row, None)
-                self.stop_ids_until_min.pop(row, None)
+                for per_row in (
+                    self.generators,
+                    self.stop_ids_until_min,
+                    self.allowed_masks,
+                    self.logit_bias,
+                    self.bad_words,
+                ):
+                    per_row.pop(row, None)
+                self.penalty_rows.discard(row)
                 self.free_rows.append(row)
         for new in out.scheduled_new_reqs:
             self._add(new)
@@ -94,6 +112,19 @@ class InputBatch:
                 stop_ids += new.eos_token_ids
             if stop_ids:
                 self.stop_ids_until_min[row] = stop_ids
+        if params.has_penalties:
+            self._track_tokens(row, new.prompt_token_ids, new.output_token_ids)
+            self.presence[row] = params.presence_penalty
+            self.frequency[row] = params.frequency_penalty
+            self.repetition[row] = params.repetition_penalty
+        if params.allowed_token_ids:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            mask[params.allowed_token_ids] = True
+            self.allowed_masks[row] = mask
+        if params.logit_bias:
+            self.logit_bias[row] = (list(params.logit_bias), list(params.logit_bias.values()))
+        if params.bad_words_token_ids:
+            self.bad_words[row] = params.bad_words_token_ids
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(self.device).manual_seed(params.seed)
             # A preempted request comes back with outputs: replay the draws the sampler made
@@ -102,23 +133,52 @@ class InputBatch:
                 torch.empty(self.vocab_size, device=self.device).exponential_(generator=generator)
             self.generators[row] = generator
 
+    def _track_tokens(self, row: int, prompt: list[int], outputs: list[int]) -> None:
+        if self.output_counts is None:
+            shape = (len(self.num_tokens), self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        assert self.prompt_mask is not None
+        self.prompt_mask[row] = False
+        self.prompt_mask[row, prompt] = True
+        self.output_counts[row] = 0
+        if outputs:  # a preempted request resumes with the tokens it had produced
+            ids = torch.tensor(outputs, device=self.device)
+            self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        self.penalty_rows.add(row)
+
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+        if self.penalty_rows:
+            counted = np.isin(rows, list(self.penalty_rows))
+            if counted.any():
+                assert self.output_counts is not None
+                index = (
+                    torch.from_numpy(rows[counted]).to(self.device),
+                    torch.from_numpy(token_ids[counted].astype(np.int64)).to(self.device),
+                )
+                one = torch.ones(1, dtype=torch.int32, device=self.device)
+                self.output_counts.index_put_(index, one.expand(len(index[0])), accumulate=True)
 
     def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
         temperature = self.temperature[rows]
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
         # Per-row Python work only for the rows that need it (usually none).
-        banned, generators = {}, {}
-        if self.stop_ids_until_min or self.generators:
+        banned: dict[int, list[int]] = {}
+        generators = {}
+        if self.stop_ids_until_min or self.generators or self.bad_words:
             for i, row in enumerate(rows.tolist()):
                 stop_ids = self.stop_ids_until_min.get(row)
                 num_output = self.num_tokens[row] - self.num_prompt_tokens[row]
                 if stop_ids is not None and num_output < self.min_tokens[row]:
-                    banned[i] = stop_ids
+                    banned[i] = list(stop_ids)
                 if row in self.generators:
                     generators[i] = self.generators[row]
+                if row in self.bad_words:
+                    output = self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
+                    for token in _bad_word_ends(self.bad_words[row], output):
+                        banned.setdefault(i, []).append(token)
         return SamplingMetadata(
             temperature=torch.from_numpy(temperature).to(device),
             all_greedy=bool((temperature == 0).all()),
@@ -127,4 +187,71 @@ class InputBatch:
             min_p=torch.from_numpy(min_p).to(device) if (min_p > 0).any() else None,
             generators=generators,
             banned_token_ids=banned,
+            allowed=self._allowed(rows, device),
+            bias=self._bias(rows, device),
+            penalties=self._penalties(rows, device),
         )
+
+    def _allowed(self, rows: np.ndarray, device: torch.device):
+        if not self.allowed_masks:
+            return None
+        at = _positions_in(rows, self.allowed_masks)
+        if not len(at):
+            return None
+        masks = torch.stack([self.allowed_masks[r] for r in rows[at].tolist()])
+        return torch.from_numpy(at).to(device), masks
+
+    def _bias(self, rows: np.ndarray, device: torch.device):
+        if not self.logit_bias:
+            return None
+        at = _positions_in(rows, self.logit_bias)
+        if not len(at):
+            return None
+        entries = [(i, self.logit_bias[r]) for i, r in zip(at.tolist(), rows[at].tolist())]
+        positions = [i for i, (ids, _) in entries for _ in ids]
+        token_ids = [t for _, (ids, _) in entries for t in ids]
+        values = [v for _, (_, vals) in entries for v in vals]
+        return (
+            torch.tensor(positions, device=device),
+            torch.tensor(token_ids, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device),
+        )
+
+    def _penalties(self, rows: np.ndarray, device: torch.device) -> Penalties | None:
+        if not self.penalty_rows:
+            return None
+        at = _positions_in(rows, self.penalty_rows)
+        if not len(at):
+            return None
+        assert self.output_counts is not None and self.prompt_mask is not None
+        chosen = rows[at]
+        index = torch.from_numpy(chosen).to(self.device)
+
+        def column(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values[chosen]).to(device).unsqueeze(1)
+
+        return Penalties(
+            rows=torch.from_numpy(at).to(device),
+            presence=column(self.presence),
+            frequency=column(self.frequency),
+            repetition=column(self.repetition),
+            output_counts=self.output_counts[index],
+            prompt_mask=self.prompt_mask[index],
+        )
+
+
+def _positions_in(rows: np.ndarray, wanted) -> np.ndarray:
+    """Positions in `rows` of the rows in `wanted` (a set or dict of rows)."""
+    return np.flatnonzero(np.isin(rows, list(wanted)))
+
+
+def _bad_word_ends(sequences: list[list[int]], output: np.ndarray) -> list[int]:
+    """The last token of every bad word whose other tokens the output has just produced."""
+    ends = []
+    for seq in sequences:
+        prefix = seq[:-1]
+        if len(prefix) <= len(output) and (
+            not prefix or output[len(output) - len(prefix) :].tolist() == prefix
+        ):
+            ends.append(seq[-1])
+    return ends

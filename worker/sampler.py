@@ -1,9 +1,12 @@
 """The Sampler: logits of the rows that complete a request's step -> one token each.
 
-Order, as in vLLM: min_tokens masking of stop tokens, then greedy argmax for temperature 0;
-for the rest temperature, top-k, top-p, min-p, and an exponential race (argmax of p / q with
-q ~ Exp(1)), which draws exactly like multinomial sampling. A request with a `seed` draws its
-q from its own generator, so its tokens do not depend on what else is in the batch.
+Order, as in vLLM: allowed_token_ids, then bans (bad words, and stop tokens under min_tokens),
+logit_bias, then the penalties (repetition on prompt and output tokens, frequency and
+presence on output tokens), then greedy argmax for temperature 0; for the rest temperature,
+top-k, top-p, min-p, and an exponential race (argmax of p / q with q ~ Exp(1)), which draws
+exactly like multinomial sampling. A request with a `seed` draws its q from its own
+generator, so its tokens do not depend on what else is in the batch. Everything is batched on
+the device; rows without a feature pay nothing for it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,31 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [R] fp32, 1 = off
     min_p: torch.Tensor | None  # [R] fp32, 0 = off
     generators: dict[int, torch.Generator]  # row -> the request's own generator
-    # rows still under min_tokens -> token ids they may not sample yet
+    # rows still under min_tokens, or about to complete a bad word -> token ids they may not
+    # sample now
     banned_token_ids: dict[int, list[int]]
+    # (rows [A], mask [A, V], True where allowed)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
+    penalties: Penalties | None = None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.banned_token_ids) or any(
+            x is not None for x in (self.allowed, self.bias, self.penalties)
+        )
+
+
+@dataclass
+class Penalties:
+    """The rows (of the sampled batch) with a penalty, and what they need."""
+
+    rows: torch.Tensor  # [P]
+    presence: torch.Tensor  # [P, 1] fp32
+    frequency: torch.Tensor  # [P, 1]
+    repetition: torch.Tensor  # [P, 1]
+    output_counts: torch.Tensor  # [P, V] int32: how often each token was generated
+    prompt_mask: torch.Tensor  # [P, V] bool: tokens in the prompt
 
 
 class Sampler:
@@ -31,14 +57,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         # max() finds the first maximum like argmax(), and is faster on the CPU.
-        if meta.all_greedy and not meta.banned_token_ids:
+        if meta.all_greedy and not meta.adjusts_logits:
             # Upcasting is exact: 16-bit logits have the argmax of their fp32 copy.
             return logits.max(dim=-1).indices
-        logits = logits.float()
-        if meta.banned_token_ids:
-            logits = logits.clone()  # the caller's logits stay as they were
-        for row, token_ids in meta.banned_token_ids.items():
-            logits[row, token_ids] = float("-inf")
+        if meta.adjusts_logits:
+            # On a copy: the caller's logits stay as they were.
+            logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+            apply_adjustments(logits, meta)
+        else:
+            logits = logits.float()
         greedy_tokens = logits.max(dim=-1).indices
         if meta.all_greedy:
             return greedy_tokens
@@ -75,3 +102,24 @@ def apply_top_k_top_p(
         before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
         sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_adjustments(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """allowed_token_ids, bans, logit_bias and penalties, in place on fp32 logits [R, V]."""
+    if meta.allowed is not None:
+        rows, mask = meta.allowed
+        logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
+    for row, token_ids in meta.banned_token_ids.items():
+        logits[row, token_ids] = float("-inf")
+    if meta.bias is not None:
+        rows, token_ids, values = meta.bias
+        logits.index_put_((rows, token_ids), values, accumulate=True)
+    p = meta.penalties
+    if p is not None:
+        x = logits[p.rows]
+        seen = p.prompt_mask | (p.output_counts > 0)
+        # Repetition: positive logits are divided by the penalty, negative ones multiplied.
+        scaled = torch.where(x > 0, x / p.repetition, x * p.repetition)
+        x = torch.where(seen, scaled, x)
+        x -= p.frequency * p.output_counts + p.presence * (p.output_counts > 0)
+        logits[p.rows] = x

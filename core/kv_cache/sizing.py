@@ -66,6 +66,12 @@ def compute_kv_cache_sizing(
             raise ValueError(_too_small_message(1, block_size, bytes_per_block, available_bytes))
         logger.info("max_model_len=-1: fitted to %d tokens", max_model_len)
     elif usable_tokens < max_model_len:
+        if cache_config.num_gpu_blocks_override is not None:
+            raise ValueError(
+                f"num_gpu_blocks_override={num_blocks} blocks of {block_size} tokens hold "
+                f"{usable_tokens} tokens per request (block 0 is reserved), fewer than "
+                f"max_model_len={max_model_len}"
+            )
         raise ValueError(
             _too_small_message(max_model_len, block_size, bytes_per_block, available_bytes)
         )

@@ -79,3 +79,48 @@ def test_random_model_greedy_matches_hf(tiny_model, name: str) -> None:
         llm.shutdown()
     hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     assert compare_greedy(hf_model, prompts, [o.outputs[0].token_ids for o in outputs]) == 0
+
+
+@pytest.mark.slow
+def test_smollm2_repetition_penalty_matches_hf(smollm2_path: str, smollm2_llm: LLM) -> None:
+    """HF's RepetitionPenaltyLogitsProcessor has vLLM's semantics (prompt and output tokens,
+    positive logits divided, negative multiplied)."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = smollm2_prompts(tokenizer)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3)
+    outputs = smollm2_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    plain = smollm2_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=24),
+        use_tqdm=False,
+    )
+    changed = [a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(outputs, plain)]
+    assert any(changed), "the penalty changed nothing"
+    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outputs):
+        with torch.inference_mode():
+            ref = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, repetition_penalty=1.3
+            )[0, len(prompt) :].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
+@pytest.mark.slow
+def test_smollm2_bad_words_are_never_completed(smollm2_llm: LLM) -> None:
+    tokenizer = smollm2_llm.get_tokenizer()
+    prompt = "The capital of France is"
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    text = smollm2_llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+    word = text.split()[0]  # what the model says first ("Paris", say)
+    banned = SamplingParams(temperature=0.0, max_tokens=12, bad_words=[word])
+    out = smollm2_llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0]
+    assert word not in out.text.split(), (word, out.text)
+    for sequence in (
+        tokenizer.encode(word, add_special_tokens=False),
+        tokenizer.encode(" " + word, add_special_tokens=False),
+    ):
+        n = len(sequence)
+        ids = out.token_ids
+        assert all(ids[i : i + n] != sequence for i in range(len(ids) - n + 1)), sequence
