@@ -17,6 +17,7 @@ _PUBLIC = {
     "SamplingParams": "tokenmill.protocol.messages",
     "RequestOutput": "tokenmill.frontend.outputs",
     "CompletionOutput": "tokenmill.frontend.outputs",
+    "Logprob": "tokenmill.frontend.outputs",
     "EngineArgs": "tokenmill.protocol.config",
     "EngineDeadError": "tokenmill.frontend.core_client",
 }

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import enum
 
-from tokenmill.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
+from tokenmill.protocol.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsArrays,
+    SamplingParams,
+)
 
 
 class RequestStatus(enum.IntEnum):
@@ -68,6 +73,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Prompt logprobs arrive chunk by chunk and leave with the first output token.
+        self.prompt_logprob_parts: list[LogprobsArrays] = []
+        self.prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:

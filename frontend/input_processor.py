@@ -66,6 +66,14 @@ class InputProcessor:
         """Checks token ids against the vocabulary and turns bad_words into token sequences
         (on a copy: one SamplingParams may serve many prompts)."""
         vocab = self.model_config.vocab_size
+        cap = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and cap != -1 and (vocab if k == -1 else k) > cap:
+                raise ValueError(
+                    f"{name}={k} asks for more than max_logprobs={cap} "
+                    f"(an engine argument; -1 there lifts the cap)"
+                )
         for name, ids in (
             ("logit_bias", list(params.logit_bias or ())),
             ("allowed_token_ids", params.allowed_token_ids or []),

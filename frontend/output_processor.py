@@ -11,8 +11,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.frontend.outputs import CompletionOutput, RequestOutput
-from tokenmill.protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from tokenmill.frontend.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
+from tokenmill.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsArrays,
+)
 
 
 @dataclass
@@ -28,12 +39,17 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
             text=self.text,
             token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -43,6 +59,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[completion],
             finished=self.finish_reason is not None,
+            prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
         )
@@ -63,13 +80,16 @@ class OutputProcessor:
                 params.skip_special_tokens,
                 params.spaces_between_special_tokens,
             )
-        self.requests[request.request_id] = RequestState(
+        state = RequestState(
             request_id=request.request_id,
             prompt=prompt,
             prompt_token_ids=request.prompt_token_ids,
             params=params,
             detokenizer=detokenizer,
         )
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.requests[request.request_id] = state
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -91,6 +111,15 @@ class OutputProcessor:
                 continue
             state.token_ids.extend(out.new_token_ids)
             state.num_cached_tokens = out.num_cached_tokens
+            if out.new_logprobs is not None and state.logprobs is not None:
+                state.logprobs.extend(self._logprob_dicts(out.new_logprobs))
+                state.cumulative_logprob = (state.cumulative_logprob or 0.0) + float(
+                    out.new_logprobs.logprobs[:, 0].sum()
+                )
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = [None, *self._logprob_dicts(out.prompt_logprobs)]
+            elif state.params.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [None]  # a one-token prompt has nothing to score
             if state.detokenizer is not None:
                 previous_len = len(state.text)
                 state.detokenizer.update(out.new_token_ids)
@@ -105,6 +134,25 @@ class OutputProcessor:
             if state.finish_reason is not None:
                 del self.requests[out.request_id]
         return results, to_abort
+
+    def _logprob_dicts(self, arrays: LogprobsArrays) -> SampleLogprobs:
+        """One dict per position: the chosen token first (with its rank), then the top k
+        (ranked 1..k); a chosen token among the top k appears once."""
+        token_ids, logprobs = arrays.token_ids.tolist(), arrays.logprobs.tolist()
+        ranks = arrays.ranks.tolist()
+        decode = self._decode_token
+        result = []
+        for ids, values, rank in zip(token_ids, logprobs, ranks):
+            entry = {ids[0]: Logprob(values[0], rank, decode(ids[0]))}
+            for r, (t, v) in enumerate(zip(ids[1:], values[1:]), start=1):
+                entry.setdefault(t, Logprob(v, r, decode(t)))
+            result.append(entry)
+        return result
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
 
     def _check_stop_strings(self, state: RequestState, previous_len: int) -> bool:
         """Ends the request at the earliest stop string that the new text completed."""

@@ -64,6 +64,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v and o (Qwen2's q/k/v bias is its class's)
     mlp_bias: bool = False
     skip_tokenizer_init: bool = False
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
+    max_logprobs: int = 20
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own limit; -1: fit the KV cache
@@ -378,6 +380,7 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
         attention_bias=bool(text.get("attention_bias", False)),
         mlp_bias=bool(text.get("mlp_bias", False)),
         skip_tokenizer_init=args.skip_tokenizer_init,
+        max_logprobs=args.max_logprobs,
     )
 
 

@@ -11,6 +11,7 @@ import enum
 from typing import Optional, Union
 
 import msgspec
+import numpy as np
 
 from tokenmill.protocol.config import EngineConfig
 
@@ -46,6 +47,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
     bad_words: Optional[list[str]] = None
     # Filled by the frontend from bad_words and its tokenizer: the token sequences to avoid.
     bad_words_token_ids: Optional[list[list[int]]] = None
+    # Log-probabilities (of the model's raw logits) of the sampled token and the `logprobs`
+    # most likely ones per generated token; `prompt_logprobs` the same for prompt tokens.
+    # -1: the whole vocabulary. The engine's max_logprobs caps both.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +113,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
             or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):
             fail("allowed_token_ids", "a non-empty list of token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < -1):
+                fail(name, "None, -1 (the whole vocabulary) or a non-negative integer")
         if self.bad_words is not None and any(
             not isinstance(w, str) or not w.strip() for w in self.bad_words
         ):
@@ -137,6 +147,27 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """Log-probabilities for n positions, as arrays (extra frames on the wire). Column 0 is
+    the position's chosen token (sampled, or the prompt's next token), then the top k."""
+
+    token_ids: np.ndarray  # [n, 1 + k] int32
+    logprobs: np.ndarray  # [n, 1 + k] float32
+    ranks: np.ndarray  # [n] int32: the chosen token's rank (1 = the most likely)
+
+    def first(self, k: int) -> LogprobsArrays:
+        """Only the top `k` columns (after the chosen one)."""
+        return LogprobsArrays(self.token_ids[:, : k + 1], self.logprobs[:, : k + 1], self.ranks)
+
+    @staticmethod
+    def concat(parts: list[LogprobsArrays]) -> LogprobsArrays:
+        return LogprobsArrays(
+            np.concatenate([p.token_ids for p in parts]),
+            np.concatenate([p.logprobs for p in parts]),
+            np.concatenate([p.ranks for p in parts]),
+        )
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     request_id: str
     prompt_token_ids: list[int]
@@ -153,6 +184,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    new_logprobs: Optional[LogprobsArrays] = None  # one row per new token
+    # All the prompt's positions after the first, with the request's first token.
+    prompt_logprobs: Optional[LogprobsArrays] = None
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenmill.protocol.messages import SamplingParams
+from tokenmill.protocol.messages import LogprobsArrays, SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -51,6 +51,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ign
     sampled_token_ids: list[list[int]]
     # With TOKENMILL_STEP_TIMING: seconds in "prepare", "forward", "logits", "sample".
     step_times: dict[str, float] | None = None
+    # Rows for the requests that sampled a token and asked for logprobs, in req_ids order
+    # (top k = the largest k asked for in the step).
+    logprobs_req_ids: list[str] = []
+    logprobs: LogprobsArrays | None = None
+    # Prompt logprobs of this step's prefill chunks, per request asking for them.
+    prompt_logprobs: dict[str, LogprobsArrays] = {}
 
 
 class KVCacheSpec(msgspec.Struct, frozen=True, array_like=True):  # type: ignore[call-arg]

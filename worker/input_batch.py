@@ -57,6 +57,9 @@ class InputBatch:
         self.allowed_masks: dict[int, torch.Tensor] = {}  # row -> [V] bool, True where allowed
         self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}
         self.bad_words: dict[int, list[list[int]]] = {}
+        # row -> top-k asked for (the vocabulary size for -1)
+        self.num_logprobs: dict[int, int] = {}
+        self.num_prompt_logprobs: dict[int, int] = {}
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -70,6 +73,8 @@ class InputBatch:
                     self.allowed_masks,
                     self.logit_bias,
                     self.bad_words,
+                    self.num_logprobs,
+                    self.num_prompt_logprobs,
                 ):
                     per_row.pop(row, None)
                 self.penalty_rows.discard(row)
@@ -125,6 +130,11 @@ class InputBatch:
             self.logit_bias[row] = (list(params.logit_bias), list(params.logit_bias.values()))
         if params.bad_words_token_ids:
             self.bad_words[row] = params.bad_words_token_ids
+        if params.logprobs is not None:
+            self.num_logprobs[row] = self.vocab_size if params.logprobs == -1 else params.logprobs
+        if params.prompt_logprobs is not None:
+            k = params.prompt_logprobs
+            self.num_prompt_logprobs[row] = self.vocab_size if k == -1 else k
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(self.device).manual_seed(params.seed)
             # A preempted request comes back with outputs: replay the draws the sampler made

@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.messages import LogprobsArrays
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
@@ -235,12 +236,24 @@ class ModelRunner:
         batch.num_computed_tokens[rows] = seq_lens
 
         sampled_ids: list[list[int]] = [[] for _ in req_ids]
+        logprobs, logprobs_req_ids = None, []
+        prompt_logprobs = {}
+        if batch.num_prompt_logprobs:
+            prompt_logprobs = self._prompt_logprobs(req_ids, rows, starts, cu_query, hidden)
         if len(sample_rows):
             logits = self.model.compute_logits(hidden[last_token_t] if gather else hidden)
             if timer is not None:
                 timer.lap("logits")
             meta = batch.sampling_metadata(sample_rows, self.device)
-            tokens = self.sampler(logits, meta).cpu().numpy()
+            sampled = self.sampler(logits, meta)
+            if batch.num_logprobs:  # from the raw logits, before any adjustment
+                wants = [i for i, r in enumerate(sample_rows.tolist()) if r in batch.num_logprobs]
+                if wants:
+                    k = max(batch.num_logprobs[int(sample_rows[i])] for i in wants)
+                    at = torch.tensor(wants, device=logits.device)
+                    logprobs = compute_logprobs(logits[at], sampled[at], k)
+                    logprobs_req_ids = [req_ids[i] for i in np.flatnonzero(done)[wants].tolist()]
+            tokens = sampled.cpu().numpy()
             batch.append_tokens(sample_rows, tokens)
             for i, token in zip(np.flatnonzero(done).tolist(), tokens.tolist()):
                 sampled_ids[i] = [token]
@@ -249,8 +262,60 @@ class ModelRunner:
             timer.lap("sample")
             step_times = timer.times
         return ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=sampled_ids, step_times=step_times
+            req_ids=req_ids,
+            sampled_token_ids=sampled_ids,
+            step_times=step_times,
+            logprobs_req_ids=logprobs_req_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        starts: np.ndarray,
+        cu_query: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> dict[str, LogprobsArrays]:
+        """For the requests asking for prompt logprobs: each prompt position of this step's
+        chunk but the prompt's last predicts the next prompt token."""
+        batch = self.input_batch
+        assert batch is not None and self.model is not None
+        result = {}
+        for i, row in enumerate(rows.tolist()):
+            k = batch.num_prompt_logprobs.get(row)
+            if k is None:
+                continue
+            start = int(starts[i])
+            end = min(
+                start + int(cu_query[i + 1] - cu_query[i]), int(batch.num_prompt_tokens[row]) - 1
+            )
+            if end <= start:
+                continue
+            at = torch.arange(cu_query[i], cu_query[i] + end - start, device=hidden.device)
+            targets = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1]).to(hidden.device)
+            logits = self.model.compute_logits(hidden[at])
+            result[req_ids[i]] = compute_logprobs(logits, targets, k)
+        return result
+
+
+def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsArrays:
+    """Log-softmax of fp32 logits [N, V]: each row's chosen token, its rank (1 + how many
+    tokens are strictly more likely) and the top k."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = chosen.long().unsqueeze(1)
+    chosen_lp = logprobs.gather(1, chosen)
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    if k > 0:
+        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        chosen = torch.cat((chosen, top.indices), dim=1)
+        chosen_lp = torch.cat((chosen_lp, top.values), dim=1)
+    return LogprobsArrays(
+        token_ids=chosen.to(torch.int32).cpu().numpy(),
+        logprobs=chosen_lp.cpu().numpy(),
+        ranks=ranks.to(torch.int32).cpu().numpy(),
+    )
 
 
 # Context length of the profiled decode step (its scratch stops growing well before this).

@@ -19,7 +19,7 @@ from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched.request_queue import make_queue
 from tokenmill.protocol.config import EngineConfig
-from tokenmill.protocol.messages import EngineCoreOutput, EngineCoreOutputs
+from tokenmill.protocol.messages import EngineCoreOutput, EngineCoreOutputs, LogprobsArrays
 from tokenmill.protocol.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -147,7 +147,12 @@ class Scheduler:
         kv = self.kv_cache_manager
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            # A request asking for prompt logprobs computes its whole prompt (as in vLLM).
+            hits, num_hit_tokens = (
+                kv.get_computed_blocks(request)
+                if request.sampling_params.prompt_logprobs is None
+                else ([], 0)
+            )
             request.num_computed_tokens = num_hit_tokens
             num_new = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget:
@@ -198,6 +203,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.prompt_logprob_parts = []  # recomputed from the start
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.requeue(request)
@@ -210,6 +216,11 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         running = RequestStatus.RUNNING
+        for req_id, part in runner_output.prompt_logprobs.items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.prompt_logprobs_sent:
+                request.prompt_logprob_parts.append(part)
+        logprob_rows = {r: i for i, r in enumerate(runner_output.logprobs_req_ids)}
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
             # Preempted or aborted while the step ran: its token is recomputed or moot.
@@ -226,15 +237,30 @@ class Scheduler:
                     finish_reason = status.finish_reason
                     stopped.append(request)
                     break
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_tokens,
-                    finish_reason=finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                )
+            output = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_tokens,
+                finish_reason=finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
             )
+            params = request.sampling_params
+            if req_id in logprob_rows and params.logprobs is not None:
+                i = logprob_rows[req_id]
+                arrays = runner_output.logprobs
+                assert arrays is not None
+                row = slice(i, i + 1)
+                output.new_logprobs = LogprobsArrays(
+                    arrays.token_ids[row], arrays.logprobs[row], arrays.ranks[row]
+                ).first(params.logprobs if params.logprobs >= 0 else arrays.token_ids.shape[1])
+            if request.prompt_logprob_parts and not request.prompt_logprobs_sent:
+                k = params.prompt_logprobs
+                assert k is not None
+                parts = LogprobsArrays.concat(request.prompt_logprob_parts)
+                output.prompt_logprobs = parts.first(k if k >= 0 else parts.token_ids.shape[1])
+                request.prompt_logprob_parts = []
+                request.prompt_logprobs_sent = True
+            outputs.append(output)
         if stopped:
             stopped_ids = {r.request_id for r in stopped}
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
