@@ -18,6 +18,7 @@ _PUBLIC = {
     "RequestOutput": "tokenmill.frontend.outputs",
     "CompletionOutput": "tokenmill.frontend.outputs",
     "Logprob": "tokenmill.frontend.outputs",
+    "StructuredOutputsParams": "tokenmill.protocol.messages",
     "EngineArgs": "tokenmill.protocol.config",
     "EngineDeadError": "tokenmill.frontend.core_client",
 }

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, wait
 
 from tokenmill.core.executor.base import Executor
 from tokenmill.core.kv_cache.sizing import KVCacheSizing, compute_kv_cache_sizing
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.core.structured_output import StructuredOutputManager
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import (
@@ -28,6 +30,8 @@ from tokenmill.protocol.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+_GRAMMAR_WAIT_S = 0.05  # an otherwise idle step waits this long for a grammar to compile
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -39,6 +43,12 @@ class EngineCore:
             raise
         self.config = config.with_max_model_len(self.kv_sizing.max_model_len)
         self.scheduler = Scheduler(self.config, self.kv_sizing.num_blocks)
+        # Under the torchrun launcher every rank schedules for itself: grammars compile in
+        # step, so that all ranks admit a request at the same step.
+        launcher = config.parallel_config.distributed_executor_backend == "external_launcher"
+        self.structured = StructuredOutputManager(self.config, synchronous=launcher)
+        self._compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
+        self._grammar_req_ids: set[str] = set()  # live requests with a grammar
         self._rejected: list[EngineCoreOutput] = []
         self._stats = _StepStats()
         # With TOKENMILL_STEP_TIMING: seconds per stage, summed over steps (see envs).
@@ -79,7 +89,33 @@ class EngineCore:
                 )
             )
             return
-        self.scheduler.add_request(Request(request, self.config.model_config.max_model_len))
+        core_request = Request(request, self.config.model_config.max_model_len)
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            # Waits outside the scheduler (blocking no one) until its grammar is compiled.
+            future = self.structured.compile(structured)
+            self._compiling[request.request_id] = (core_request, future)
+            return
+        self.scheduler.add_request(core_request)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the scheduler; a grammar that failed to
+        compile fails its request alone."""
+        for req_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[req_id]
+            error = future.exception()
+            if error is not None:
+                message = f"structured_outputs could not be compiled: {error}"
+                logger.warning("rejected request %s: %s", req_id, message)
+                self._rejected.append(
+                    EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=message)
+                )
+                continue
+            request.grammar = self.structured.matcher(future.result())
+            self._grammar_req_ids.add(req_id)
+            self.scheduler.add_request(request)
 
     def _validate(self, request: EngineCoreRequest) -> str | None:
         model = self.config.model_config
@@ -94,18 +130,32 @@ class EngineCore:
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        for req_id in request_ids:
+            self._compiling.pop(req_id, None)
+            self._grammar_req_ids.discard(req_id)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+        return (
+            bool(self._rejected)
+            or bool(self._compiling)
+            or self.scheduler.has_unfinished_requests()
+        )
 
     # ---------------------------------------------------------------------------------- step
     def step(self) -> EngineCoreOutputs:
+        if self._compiling:
+            self._admit_compiled()
         rejected, self._rejected = self._rejected, []
         if not self.scheduler.has_unfinished_requests():
+            if self._compiling and not rejected:  # nothing to run until a grammar is ready
+                _, future = next(iter(self._compiling.values()))
+                wait([future], timeout=_GRAMMAR_WAIT_S)
             return EngineCoreOutputs(outputs=rejected, timestamp=time.monotonic())
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if self._grammar_req_ids:
+            self.structured.fill_bitmask(scheduler_output, self.scheduler.requests)
         scheduled = time.perf_counter()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
@@ -114,6 +164,10 @@ class EngineCore:
             raise
         executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._grammar_req_ids:
+            for out in outputs.outputs:
+                if out.finished:
+                    self._grammar_req_ids.discard(out.request_id)
         outputs.outputs.extend(rejected)
         if self.step_timing:
             runner_times = runner_output.step_times or {}
@@ -160,6 +214,7 @@ class EngineCore:
         return True
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 

@@ -7,6 +7,7 @@ appends sampled tokens and decides when it stops); read by the KV cache manager.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from tokenmill.protocol.messages import (
     EngineCoreRequest,
@@ -76,6 +77,8 @@ class Request:
         # Prompt logprobs arrive chunk by chunk and leave with the first output token.
         self.prompt_logprob_parts: list[LogprobsArrays] = []
         self.prompt_logprobs_sent = False
+        # Structured outputs: the xgrammar matcher, advanced on every accepted token.
+        self.grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ and never need pickle. The frontend builds `EngineCoreRequest`s; EngineCore answ
 from __future__ import annotations
 
 import enum
+import json as _json
 from typing import Optional, Union
 
 import msgspec
@@ -17,6 +18,52 @@ from tokenmill.protocol.config import EngineConfig
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
+    """Constrains a completion (vLLM's names), compiled by xgrammar in the engine core: a JSON
+    schema (a dict or its JSON text), a regular expression, one of a list of strings, an EBNF
+    grammar (GBNF style: `root ::= ...`), or any JSON object. Exactly one may be set."""
+
+    json: Union[str, dict, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    # JSON only in the compact form (no free whitespace between tokens), as in vLLM; small
+    # models otherwise tend to fill the allowed whitespace.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [
+            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {kinds or 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be a list of strings, got {self.choice!r}"
+            )
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text) of the constraint; xgrammar caches compiled grammars by them."""
+        if self.json is not None:
+            return ("json", str(self.json))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", _json.dumps(self.choice))
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        return ("json_object", "")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
@@ -52,6 +99,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
     # -1: the whole vocabulary. The engine's max_logprobs caps both.
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -10,6 +10,7 @@ These cross the core/worker boundary, so they live in protocol/ (worker/ may not
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from tokenmill.protocol.messages import LogprobsArrays, SamplingParams
 
@@ -43,6 +44,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignor
     # Requests preempted since the last step: workers drop their state too; each comes back
     # later as a new request carrying the tokens it had produced.
     preempted_req_ids: list[str] = []
+    # Structured outputs: the requests whose token this step is constrained, and their rows
+    # of allowed tokens (xgrammar's packed bitmask: [n, ceil(V / 32)] int32, bit j of word w
+    # allows token 32 * w + j).
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: np.ndarray | None = None
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]

@@ -244,6 +244,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last_token_t] if gather else hidden)
             if timer is not None:
                 timer.lap("logits")
+            if out.grammar_req_ids:
+                sampled_req_ids = [req_ids[i] for i in np.flatnonzero(done).tolist()]
+                apply_grammar_bitmask(logits, sampled_req_ids, out)
             meta = batch.sampling_metadata(sample_rows, self.device)
             sampled = self.sampler(logits, meta)
             if batch.num_logprobs:  # from the raw logits, before any adjustment
@@ -298,6 +301,24 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[at])
             result[req_ids[i]] = compute_logprobs(logits, targets, k)
         return result
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, sampled_req_ids: list[str], out: SchedulerOutput
+) -> None:
+    """Masks, in place, the logits of the structured-output rows down to the tokens their
+    grammar allows (the core's packed bitmask: bit j of word w is token 32 * w + j)."""
+    assert out.grammar_bitmask is not None
+    position = {req_id: i for i, req_id in enumerate(sampled_req_ids)}
+    pairs = [(position[r], i) for i, r in enumerate(out.grammar_req_ids) if r in position]
+    if not pairs:
+        return
+    at = [p for p, _ in pairs]
+    words = np.ascontiguousarray(out.grammar_bitmask[[i for _, i in pairs]], dtype=np.int32)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, : logits.shape[-1]].astype(bool)).to(logits.device)
+    index = torch.tensor(at, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsArrays:

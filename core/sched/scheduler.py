@@ -13,6 +13,7 @@ blocks is still cached. EngineCore calls `schedule()` then, with the workers' sa
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 
 from tokenmill.core.kv_cache.manager import KVCacheManager
@@ -26,6 +27,8 @@ from tokenmill.protocol.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -231,6 +234,8 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_tokens.append(token_id)
+                if request.grammar is not None and not request.grammar.accept_token(token_id):
+                    logger.error("request %s: its grammar refused token %d", req_id, token_id)
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     request.status = status
@@ -269,6 +274,8 @@ class Scheduler:
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        if request.grammar is not None and request.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the structure is complete
         if request.num_output_tokens > request.min_tokens:
             if request.eos_stops and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
