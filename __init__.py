@@ -19,6 +19,7 @@ _PUBLIC = {
     "CompletionOutput": "tokenmill.frontend.outputs",
     "Logprob": "tokenmill.frontend.outputs",
     "StructuredOutputsParams": "tokenmill.protocol.messages",
+    "RequestOutputKind": "tokenmill.protocol.messages",
     "EngineArgs": "tokenmill.protocol.config",
     "EngineDeadError": "tokenmill.frontend.core_client",
 }

@@ -90,8 +90,7 @@ class AsyncLLM:
         self.streams[request_id] = stream
         finished = False
         try:
-            self.output_processor.add_request(request, text)
-            self.client.add_requests([request])
+            self.client.add_requests(self.output_processor.add_request(request, text))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -101,13 +100,12 @@ class AsyncLLM:
         finally:
             del self.streams[request_id]
             if not finished:  # cancelled or abandoned: stop spending compute on it
-                self.output_processor.abort_requests([request_id])
+                core_ids = self.output_processor.abort_requests([request_id])
                 if self.dead is None:
-                    self.client.abort_requests([request_id])
+                    self.client.abort_requests(core_ids)
 
     async def abort(self, request_id: str) -> None:
-        self.output_processor.abort_requests([request_id])
-        self.client.abort_requests([request_id])
+        self.client.abort_requests(self.output_processor.abort_requests([request_id]))
         stream = self.streams.get(request_id)
         if stream is not None:
             stream.put_nowait(asyncio.CancelledError(f"request {request_id} was aborted"))

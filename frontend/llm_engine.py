@@ -63,13 +63,13 @@ class LLMEngine:
     def submit(self, processed: list[tuple[EngineCoreRequest, str | None]]) -> None:
         """Sends already processed requests to the core together (so that a spawned core
         schedules them in one step) and starts tracking their outputs."""
+        to_core = []
         for request, prompt_text in processed:
-            self.output_processor.add_request(request, prompt_text)
-        self.client.add_requests([request for request, _ in processed])
+            to_core.extend(self.output_processor.add_request(request, prompt_text))
+        self.client.add_requests(to_core)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.output_processor.abort_requests(request_ids)
-        self.client.abort_requests(request_ids)
+        self.client.abort_requests(self.output_processor.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -2,13 +2,18 @@
 
 Tracks every request in flight: appends new token ids, detokenizes incrementally, applies
 stop strings (which the core does not see: a match ends the request here and the caller
-aborts it in the core), and builds vLLM-shaped outputs. Called by LLMEngine after each step.
+aborts it in the core), and builds vLLM-shaped outputs as each request's output_kind asks
+(cumulative, delta, final only). A request with n > 1 goes to the core as n children (child i
+seeded with seed + i) and comes back as one RequestOutput with n completions. Called by
+LLMEngine and AsyncLLM after each step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.frontend.outputs import (
@@ -23,11 +28,14 @@ from tokenmill.protocol.messages import (
     EngineCoreRequest,
     FinishReason,
     LogprobsArrays,
+    RequestOutputKind,
 )
 
 
 @dataclass
 class RequestState:
+    """One request in the core: a user's request, or one of the n children of one."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -42,35 +50,78 @@ class RequestState:
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # What earlier outputs carried (for output_kind=DELTA).
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_finished: bool = False
 
-    def to_output(self) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=self.text,
-            token_ids=list(self.token_ids),
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def has_news(self) -> bool:
+        return len(self.token_ids) > self.sent_tokens or (self.finished and not self.sent_finished)
+
+    def completion(self, index: int, delta: bool) -> CompletionOutput:
+        """This request's completion so far; with `delta`, only what no output carried yet."""
+        tokens, text, logprobs = self.token_ids, self.text, self.logprobs
+        if delta:
+            tokens, text = tokens[self.sent_tokens :], text[self.sent_text :]
+            logprobs = None if logprobs is None else logprobs[self.sent_tokens :]
+        self.sent_tokens, self.sent_text = len(self.token_ids), len(self.text)
+        self.sent_finished = self.finished
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=list(tokens),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
+            logprobs=None if logprobs is None else list(logprobs),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[completion],
-            finished=self.finish_reason is not None,
-            prompt_logprobs=self.prompt_logprobs,
-            num_cached_tokens=self.num_cached_tokens,
-            error=self.error,
-        )
+
+
+@dataclass
+class ParentRequest:
+    """A request with n > 1: n children in the core (child i samples with seed + i), one
+    RequestOutput with n completions for the user (as vLLM's ParentRequest)."""
+
+    request_id: str
+    child_ids: list[str]
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}  # by the id the core knows
+        self.parents: dict[str, ParentRequest] = {}
+        self.parent_of: dict[str, str] = {}  # child id -> parent id
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+    def add_request(
+        self, request: EngineCoreRequest, prompt: str | None
+    ) -> list[EngineCoreRequest]:
+        """Starts tracking a request; returns what to send to the core (its n children when
+        n > 1, else the request itself)."""
+        params = request.sampling_params
+        if params.n == 1:
+            self._track(request, prompt)
+            return [request]
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child_params = msgspec.structs.replace(params, n=1, seed=seed)
+            child = msgspec.structs.replace(
+                request, request_id=f"{i}_{request.request_id}", sampling_params=child_params
+            )
+            self._track(child, prompt)
+            self.parent_of[child.request_id] = request.request_id
+            children.append(child)
+        self.parents[request.request_id] = ParentRequest(
+            request.request_id, [c.request_id for c in children]
+        )
+        return children
+
+    def _track(self, request: EngineCoreRequest, prompt: str | None) -> None:
         params = request.sampling_params
         detokenizer = None
         if self.tokenizer is not None:
@@ -94,46 +145,96 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forgets the requests (a parent with its children); returns the ids to abort in
+        the core."""
+        core_ids = []
         for req_id in request_ids:
-            self.requests.pop(req_id, None)
+            parent = self.parents.pop(req_id, None)
+            ids = parent.child_ids if parent is not None else [req_id]
+            for core_id in ids:
+                self.requests.pop(core_id, None)
+                self.parent_of.pop(core_id, None)
+            core_ids.extend(ids)
+        return core_ids
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated RequestOutputs and the ids that stopped on a stop string
-        (still running in the core, so the caller must abort them there)."""
-        results: list[RequestOutput] = []
+        """Returns the updated RequestOutputs (one per user request, whatever the number of
+        its children that moved) and the core ids that stopped on a stop string (still
+        running in the core, so the caller must abort them there)."""
         to_abort: list[str] = []
+        touched: dict[str, None] = {}  # user request ids, in order
         for out in outputs:
             state = self.requests.get(out.request_id)
             if state is None:  # aborted here while the core was still working on it
                 continue
-            state.token_ids.extend(out.new_token_ids)
-            state.num_cached_tokens = out.num_cached_tokens
-            if out.new_logprobs is not None and state.logprobs is not None:
-                state.logprobs.extend(self._logprob_dicts(out.new_logprobs))
-                state.cumulative_logprob = (state.cumulative_logprob or 0.0) + float(
-                    out.new_logprobs.logprobs[:, 0].sum()
-                )
-            if out.prompt_logprobs is not None:
-                state.prompt_logprobs = [None, *self._logprob_dicts(out.prompt_logprobs)]
-            elif state.params.prompt_logprobs is not None and state.prompt_logprobs is None:
-                state.prompt_logprobs = [None]  # a one-token prompt has nothing to score
-            if state.detokenizer is not None:
-                previous_len = len(state.text)
-                state.detokenizer.update(out.new_token_ids)
-                state.text = state.detokenizer.output_text
-                if self._check_stop_strings(state, previous_len) and out.finish_reason is None:
-                    to_abort.append(out.request_id)
-            if state.finish_reason is None and out.finish_reason is not None:
-                state.finish_reason = str(out.finish_reason)
-                state.stop_reason = out.stop_reason
-                state.error = out.error
-            results.append(state.to_output())
-            if state.finish_reason is not None:
-                del self.requests[out.request_id]
+            if self._update(state, out):
+                to_abort.append(out.request_id)
+            touched[self.parent_of.get(out.request_id, out.request_id)] = None
+        results = []
+        for user_id in touched:
+            output = self._output(user_id)
+            if output is not None:
+                results.append(output)
         return results, to_abort
+
+    def _update(self, state: RequestState, out: EngineCoreOutput) -> bool:
+        """Applies one core output; True when a stop string ended the request here."""
+        state.token_ids.extend(out.new_token_ids)
+        state.num_cached_tokens = out.num_cached_tokens
+        if out.new_logprobs is not None and state.logprobs is not None:
+            state.logprobs.extend(self._logprob_dicts(out.new_logprobs))
+            state.cumulative_logprob = (state.cumulative_logprob or 0.0) + float(
+                out.new_logprobs.logprobs[:, 0].sum()
+            )
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = [None, *self._logprob_dicts(out.prompt_logprobs)]
+        elif state.params.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = [None]  # a one-token prompt has nothing to score
+        stopped = False
+        if state.detokenizer is not None:
+            previous_len = len(state.text)
+            state.detokenizer.update(out.new_token_ids)
+            state.text = state.detokenizer.output_text
+            stopped = self._check_stop_strings(state, previous_len) and out.finish_reason is None
+        if state.finish_reason is None and out.finish_reason is not None:
+            state.finish_reason = str(out.finish_reason)
+            state.stop_reason = out.stop_reason
+            state.error = out.error
+        return stopped
+
+    def _output(self, user_id: str) -> RequestOutput | None:
+        """The RequestOutput of a user request as its output_kind asks (None: nothing to
+        show yet); forgets the request once it is finished."""
+        parent = self.parents.get(user_id)
+        core_ids = parent.child_ids if parent is not None else [user_id]
+        states = [self.requests[i] for i in core_ids]
+        first = states[0]
+        finished = all(s.finished for s in states)
+        kind = first.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        prompt_logprobs = first.prompt_logprobs
+        if delta and first.sent_tokens > 0:
+            prompt_logprobs = None  # went with the first delta
+        completions = [
+            s.completion(i, delta) for i, s in enumerate(states) if not delta or s.has_news()
+        ]
+        if finished:
+            self.abort_requests([user_id])
+        return RequestOutput(
+            request_id=user_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens,
+            error=next((s.error for s in states if s.error), None),
+        )
 
     def _logprob_dicts(self, arrays: LogprobsArrays) -> SampleLogprobs:
         """One dict per position: the chosen token first (with its rank), then the top k

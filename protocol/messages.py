@@ -20,6 +20,14 @@ from tokenmill.protocol.config import EngineConfig
 GREEDY_TEMPERATURE = 1e-5
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed RequestOutput holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request is finished
+
+
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
     """Constrains a completion (vLLM's names), compiled by xgrammar in the engine core: a JSON
     schema (a dict or its JSON text), a regular expression, one of a list of strings, an EBNF
@@ -100,6 +108,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,8 +135,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
         def fail(name: str, expected: str) -> None:
             raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
 
-        if self.n != 1:
-            fail("n", "1 (parallel sampling of several completions is not supported yet)")
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "a positive integer")
         if not self.temperature >= 0.0:
             fail("temperature", "non-negative")
         if not 0.0 < self.top_p <= 1.0:
