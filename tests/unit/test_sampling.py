@@ -21,9 +21,16 @@ from tokenmill.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_
         ("max_tokens", 0),
         ("min_tokens", -1),
         ("seed", -3),
-        ("n", 2),
+        ("n", 0),
         ("stop", [""]),
         ("stop_token_ids", [-1]),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("allowed_token_ids", []),
+        ("bad_words", [" "]),
+        ("logprobs", -2),
+        ("prompt_logprobs", -5),
     ],
 )
 def test_invalid_sampling_params_name_field_and_value(field: str, value) -> None:
