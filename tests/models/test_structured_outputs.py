@@ -134,3 +134,28 @@ def test_structured_outputs_params_are_checked() -> None:
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="choice must be a list of strings"):
         StructuredOutputsParams(choice=[1, 2])
+
+
+def test_constrained_requests_survive_preemption(smollm2_path: str) -> None:
+    """A preempted constrained request keeps its matcher with its output tokens: greedy JSON
+    under heavy preemption equals the same requests with ample KV, and validates."""
+    prompts = [chat(f"Describe person number {i} as JSON.") for i in range(6)]
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=200,
+        structured_outputs=StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),
+    )
+    results = []
+    for blocks in (None, 24):  # ample; then 23 usable blocks for 6 requests of ~5-10 blocks
+        llm = LLM(smollm2_path, max_model_len=256, kv_cache_memory_bytes=64 << 20,
+                  num_gpu_blocks_override=blocks)  # fmt: skip
+        try:
+            outputs = llm.chat(prompts, params, use_tqdm=False)
+            results.append(([o.outputs[0].text for o in outputs], llm.get_stats()))
+        finally:
+            llm.shutdown()
+    (ample, ample_stats), (tight, tight_stats) = results
+    assert ample_stats["num_preemptions"] == 0 and tight_stats["num_preemptions"] > 0
+    assert tight == ample
+    for text in tight:
+        jsonschema.validate(json.loads(text), PERSON)
