@@ -73,7 +73,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or request.request_id in self._compiling:
             # An error output under this id would end the live request at its client.
             logger.warning("ignored a second request with the live id %r", request.request_id)
             return
@@ -127,6 +127,12 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < model.vocab_size]
         if bad:
             return f"prompt_token_ids holds ids outside [0, {model.vocab_size}): {bad[:8]}"
+        # A client that builds its own requests is checked too: a token id outside the
+        # vocabulary would fail the whole step.
+        params = request.sampling_params
+        bad = [t for t in params.token_ids_used() if not 0 <= t < model.vocab_size]
+        if bad:
+            return f"sampling_params name token ids outside [0, {model.vocab_size}): {bad[:8]}"
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:

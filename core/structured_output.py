@@ -66,7 +66,10 @@ class StructuredOutputManager:
         if kind == "regex":
             return compiler.compile_regex(text)
         if kind == "choice":
-            alternatives = " | ".join(json.dumps(c) for c in params.choice or [])
+            # Not ASCII-escaped: the grammar parser does not join escaped surrogate pairs.
+            alternatives = " | ".join(
+                json.dumps(c, ensure_ascii=False) for c in params.choice or []
+            )
             return compiler.compile_grammar(f"root ::= {alternatives}")
         if kind == "grammar":
             return compiler.compile_grammar(text)

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Union
 
+import msgspec
 from tqdm.auto import tqdm
 
 from tokenmill.frontend.input_processor import PromptType
@@ -22,7 +23,7 @@ from tokenmill.frontend.llm_engine import LLMEngine
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs
-from tokenmill.protocol.messages import SamplingParams
+from tokenmill.protocol.messages import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,14 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
+        # Only finished outputs are returned here: skip building the ones in between.
+        final: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if id(params) not in final:
+                final[id(params)] = msgspec.structs.replace(
+                    params, output_kind=RequestOutputKind.FINAL_ONLY
+                )
+        params_list = [final[id(p)] for p in params_list]
         # Validate every prompt before submitting any, so a bad one costs nothing else.
         requests = []
         for prompt, params, prio in zip(prompts, params_list, priorities):

@@ -64,8 +64,12 @@ class LLMEngine:
         """Sends already processed requests to the core together (so that a spawned core
         schedules them in one step) and starts tracking their outputs."""
         to_core = []
-        for request, prompt_text in processed:
-            to_core.extend(self.output_processor.add_request(request, prompt_text))
+        try:
+            for request, prompt_text in processed:
+                to_core.extend(self.output_processor.add_request(request, prompt_text))
+        except BaseException:
+            self.output_processor.abort_requests([r.request_id for r, _ in processed])
+            raise
         self.client.add_requests(to_core)
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -96,6 +96,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}  # by the id the core knows
         self.parents: dict[str, ParentRequest] = {}
         self.parent_of: dict[str, str] = {}  # child id -> parent id
+        self._token_texts: dict[int, str] = {}  # logprob tokens, decoded once each
 
     def add_request(
         self, request: EngineCoreRequest, prompt: str | None
@@ -103,19 +104,28 @@ class OutputProcessor:
         """Starts tracking a request; returns what to send to the core (its n children when
         n > 1, else the request itself)."""
         params = request.sampling_params
+        if request.request_id in self.requests or request.request_id in self.parents:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         if params.n == 1:
             self._track(request, prompt)
             return [request]
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            child_params = msgspec.structs.replace(params, n=1, seed=seed)
-            child = msgspec.structs.replace(
-                request, request_id=f"{i}_{request.request_id}", sampling_params=child_params
+            # Only child 0 reports prompt logprobs; the others read the prompt from the cache.
+            prompt_logprobs = params.prompt_logprobs if i == 0 else None
+            child_params = msgspec.structs.replace(
+                params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
             )
+            child_id = f"{i}_{request.request_id}"
+            if child_id in self.requests:
+                raise ValueError(f"request id {child_id!r} is already in use")
+            children.append(
+                msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
+            )
+        for child in children:  # built them all first: a failure leaves nothing tracked
             self._track(child, prompt)
             self.parent_of[child.request_id] = request.request_id
-            children.append(child)
         self.parents[request.request_id] = ParentRequest(
             request.request_id, [c.request_id for c in children]
         )
@@ -168,7 +178,9 @@ class OutputProcessor:
         touched: dict[str, None] = {}  # user request ids, in order
         for out in outputs:
             state = self.requests.get(out.request_id)
-            if state is None:  # aborted here while the core was still working on it
+            # Aborted here while the core was still working on it, or finished here (a stop
+            # string) while it ran ahead.
+            if state is None or state.finished:
                 continue
             if self._update(state, out):
                 to_abort.append(out.request_id)
@@ -253,7 +265,10 @@ class OutputProcessor:
     def _decode_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id])
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _check_stop_strings(self, state: RequestState, previous_len: int) -> bool:
         """Ends the request at the earliest stop string that the new text completed."""

@@ -151,8 +151,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
             fail("min_tokens", "non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            fail("seed", "a non-negative 63-bit integer")
+        if self.seed is not None and not 0 <= self.seed <= 2**63 - self.n:
+            fail("seed", "a non-negative 63-bit integer (seed + n - 1 included)")
         assert isinstance(self.stop, list)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             fail("stop", "a non-empty string or a list of non-empty strings")
@@ -174,10 +174,25 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < -1):
                 fail(name, "None, -1 (the whole vocabulary) or a non-negative integer")
+        if self.bad_words_token_ids is not None and any(
+            not isinstance(seq, list)
+            or not seq
+            or any(not isinstance(t, int) or t < 0 for t in seq)
+            for seq in self.bad_words_token_ids
+        ):
+            fail("bad_words_token_ids", "a list of non-empty token id lists")
         if self.bad_words is not None and any(
             not isinstance(w, str) or not w.strip() for w in self.bad_words
         ):
             fail("bad_words", "a list of non-empty strings")
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id these parameters name (for a range check against the vocabulary)."""
+        ids = list(self.stop_token_ids or ()) + list(self.allowed_token_ids or ())
+        ids += list(self.logit_bias or ())
+        for seq in self.bad_words_token_ids or ():
+            ids += seq
+        return ids
 
     @property
     def has_penalties(self) -> bool:

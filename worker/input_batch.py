@@ -132,7 +132,8 @@ class InputBatch:
             self.bad_words[row] = params.bad_words_token_ids
         if params.logprobs is not None:
             self.num_logprobs[row] = self.vocab_size if params.logprobs == -1 else params.logprobs
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None and not new.output_token_ids:
+            # (A request resumed after its first token has sent its prompt logprobs.)
             k = params.prompt_logprobs
             self.num_prompt_logprobs[row] = self.vocab_size if k == -1 else k
         if params.seed is not None and not params.greedy:

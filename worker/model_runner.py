@@ -291,9 +291,10 @@ class ModelRunner:
             if k is None:
                 continue
             start = int(starts[i])
-            end = min(
-                start + int(cu_query[i + 1] - cu_query[i]), int(batch.num_prompt_tokens[row]) - 1
-            )
+            last = int(batch.num_prompt_tokens[row]) - 1  # the last position that scores one
+            end = min(start + int(cu_query[i + 1] - cu_query[i]), last)
+            if end >= last:
+                del batch.num_prompt_logprobs[row]  # the prompt is done
             if end <= start:
                 continue
             at = torch.arange(cu_query[i], cu_query[i] + end - start, device=hidden.device)
@@ -322,12 +323,12 @@ def apply_grammar_bitmask(
 
 
 def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsArrays:
-    """Log-softmax of fp32 logits [N, V]: each row's chosen token, its rank (1 + how many
-    tokens are strictly more likely) and the top k."""
+    """Log-softmax of fp32 logits [N, V]: each row's chosen token, its rank (how many tokens
+    are at least as likely, itself included, as vLLM counts) and the top k."""
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = chosen.long().unsqueeze(1)
     chosen_lp = logprobs.gather(1, chosen)
-    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    ranks = (logprobs >= chosen_lp).sum(dim=-1)
     if k > 0:
         top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
         chosen = torch.cat((chosen, top.indices), dim=1)

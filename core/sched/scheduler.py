@@ -151,10 +151,12 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             # A request asking for prompt logprobs computes its whole prompt (as in vLLM).
+            owes_prompt_logprobs = (
+                request.sampling_params.prompt_logprobs is not None
+                and not request.prompt_logprobs_sent
+            )
             hits, num_hit_tokens = (
-                kv.get_computed_blocks(request)
-                if request.sampling_params.prompt_logprobs is None
-                else ([], 0)
+                ([], 0) if owes_prompt_logprobs else kv.get_computed_blocks(request)
             )
             request.num_computed_tokens = num_hit_tokens
             num_new = request.num_tokens - num_hit_tokens
@@ -231,12 +233,18 @@ class Scheduler:
                 continue
             new_tokens = []
             finish_reason = None
+            error = None
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_tokens.append(token_id)
+                status = None
                 if request.grammar is not None and not request.grammar.accept_token(token_id):
-                    logger.error("request %s: its grammar refused token %d", req_id, token_id)
-                status = self._check_stop(request, token_id)
+                    # Other constraints (allowed_token_ids, bad_words, min_tokens) left the
+                    # grammar no token to allow: the request cannot go on.
+                    error = f"the structured output could not continue (token {token_id})"
+                    logger.warning("request %s: %s", req_id, error)
+                    status = RequestStatus.FINISHED_ERROR
+                status = status or self._check_stop(request, token_id)
                 if status is not None:
                     request.status = status
                     finish_reason = status.finish_reason
@@ -248,6 +256,7 @@ class Scheduler:
                 finish_reason=finish_reason,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                error=error,
             )
             params = request.sampling_params
             if req_id in logprob_rows and params.logprobs is not None:

@@ -101,3 +101,18 @@ def test_async_output_kinds_and_parent_abort(tiny_model) -> None:
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_bad_requests_fail_alone(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="seed must be"):
+        SamplingParams(n=2, seed=2**63 - 1)
+    with pytest.raises(ValueError, match="bad_words_token_ids must be"):
+        SamplingParams(bad_words_token_ids=[[]])
+    # Token ids outside the vocabulary that only the core can see fail that request only.
+    params = [
+        SamplingParams(max_tokens=4, bad_words_token_ids=[[3, 600]]),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    ]
+    bad, good = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and "outside [0, 512)" in bad.error
+    assert len(good.outputs[0].token_ids) == 4

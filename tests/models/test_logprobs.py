@@ -24,7 +24,7 @@ def check_position(entry: dict, chosen: int, ref_logprobs: torch.Tensor) -> None
     assert ours_top == top.indices.tolist()
     for token, lp in entry.items():
         assert abs(lp.logprob - ref_logprobs[token].item()) < TOLERANCE
-    expected_rank = int((ref_logprobs > ref_logprobs[chosen]).sum()) + 1
+    expected_rank = int((ref_logprobs >= ref_logprobs[chosen]).sum())
     assert entry[chosen].rank == expected_rank
 
 

@@ -159,3 +159,23 @@ def test_constrained_requests_survive_preemption(smollm2_path: str) -> None:
     assert tight == ample
     for text in tight:
         jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_stop_strings_end_n_children_and_dead_end_grammars_fail(smollm2_llm: LLM) -> None:
+    # Every child stops at its first space, although the core runs ahead of the frontend.
+    params = SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=30, stop=[" "])
+    out = smollm2_llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    for completion in out.outputs:
+        assert " " not in completion.text and completion.finish_reason == "stop", completion
+    # allowed_token_ids that leave the grammar nothing: the request fails, alone.
+    dead_end = SamplingParams(
+        max_tokens=5,
+        allowed_token_ids=[0],
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
+    failed, fine = smollm2_llm.generate(
+        ["Answer:", "Answer:"], [dead_end, SamplingParams(temperature=0, max_tokens=3)],
+        use_tqdm=False,
+    )  # fmt: skip
+    assert failed.outputs[0].finish_reason == "error" and "could not continue" in failed.error
+    assert fine.outputs[0].token_ids
