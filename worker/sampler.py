@@ -3,7 +3,7 @@
 Order, as in vLLM: allowed_token_ids, then bans (bad words, and stop tokens under min_tokens),
 logit_bias, then the penalties (repetition on prompt and output tokens, frequency and
 presence on output tokens), then greedy argmax for temperature 0; for the rest temperature,
-top-k, top-p, min-p, and an exponential race (argmax of p / q with q ~ Exp(1)), which draws
+min-p, top-k, top-p, and an exponential race (argmax of p / q with q ~ Exp(1)), which draws
 exactly like multinomial sampling. A request with a `seed` draws its q from its own
 generator, so its tokens do not depend on what else is in the batch. Everything is batched on
 the device; rows without a feature pay nothing for it.
@@ -72,12 +72,14 @@ class Sampler:
         greedy = meta.temperature == 0.0
         temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temperature.unsqueeze(1)
+        if meta.min_p is not None:
+            # Relative to the most likely token of the full distribution (before top-k/p).
+            probs = logits.softmax(dim=-1)
+            threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         probs = logits.softmax(dim=-1)
-        if meta.min_p is not None:
-            threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
         q = torch.empty_like(probs)
         q.exponential_(generator=self.generator)
         for row, generator in meta.generators.items():

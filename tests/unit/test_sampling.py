@@ -135,3 +135,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model) -> None:
         assert llm.generate(target, other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
     finally:
         llm.shutdown()
+
+
+def test_min_p_applies_before_top_p_as_in_vllm() -> None:
+    # p = [0.5, 0.3, 0.2]. min_p=0.5 first drops token 2 (0.2 < 0.25); top_p=0.6 over the
+    # renormalized [0.625, 0.375] then keeps token 0 alone. (The other order keeps 0 and 1.)
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(200, 3).contiguous()
+    meta = _meta(200, min_p=torch.full((200,), 0.5), top_p=torch.full((200,), 0.6))
+    tokens = Sampler(torch.Generator().manual_seed(0))(logits, meta)
+    assert tokens.unique().tolist() == [0]
