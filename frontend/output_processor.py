@@ -63,12 +63,20 @@ class RequestState:
         return len(self.token_ids) > self.sent_tokens or (self.finished and not self.sent_finished)
 
     def completion(self, index: int, delta: bool) -> CompletionOutput:
-        """This request's completion so far; with `delta`, only what no output carried yet."""
-        tokens, text, logprobs = self.token_ids, self.text, self.logprobs
+        """This request's completion so far; with `delta`, only what no output carried yet.
+
+        While it runs, text that a stop string could still turn out to begin is held back
+        (the longest stop string's length - 1 characters, as vLLM does), so that no output
+        ever shows text the stop string then cuts."""
+        visible = len(self.text)
+        params = self.params
+        if not self.finished and params.stop and not params.include_stop_str_in_output:
+            visible = max(self.sent_text, visible - (max(map(len, params.stop)) - 1))
+        tokens, text, logprobs = self.token_ids, self.text[:visible], self.logprobs
         if delta:
             tokens, text = tokens[self.sent_tokens :], text[self.sent_text :]
             logprobs = None if logprobs is None else logprobs[self.sent_tokens :]
-        self.sent_tokens, self.sent_text = len(self.token_ids), len(self.text)
+        self.sent_tokens, self.sent_text = len(self.token_ids), visible
         self.sent_finished = self.finished
         return CompletionOutput(
             index=index,

@@ -118,3 +118,35 @@ def test_legacy_rope_settings_are_read_into_rope_parameters() -> None:
     assert model.rope_parameters == {"rope_theta": 1000000.0, "rope_type": "default"}
     assert model.architecture == "Qwen2ForCausalLM" and model.num_kv_heads == 2
     assert config.scheduler_config.enable_chunked_prefill
+
+
+def test_delta_streams_hold_back_what_a_stop_string_may_cut() -> None:
+    """Stop "END" arrives one character per token: no delta ever shows a piece of it, and
+    the deltas add up to the final text."""
+    from tokenmill.frontend.output_processor import OutputProcessor
+    from tokenmill.protocol.messages import (
+        EngineCoreOutput,
+        EngineCoreRequest,
+        RequestOutputKind,
+        SamplingParams,
+    )
+
+    class OneCharTokenizer:
+        chars = {1: "b", 2: "c", 3: "E", 4: "N", 5: "D", 6: "z"}
+
+        def decode(self, ids, **kwargs) -> str:
+            return "".join(self.chars.get(i, "") for i in ids)
+
+    processor = OutputProcessor(OneCharTokenizer())
+    params = SamplingParams(stop=["END"], output_kind=RequestOutputKind.DELTA, max_tokens=20)
+    processor.add_request(EngineCoreRequest("r", [6], params, [0], 0.0), None)
+    deltas, finished = [], False
+    for token in [1, 2, 3, 4, 5, 6]:
+        outputs, _ = processor.process_outputs([EngineCoreOutput("r", [token])])
+        for out in outputs:
+            deltas.append(out.outputs[0].text)
+            finished = out.finished
+        if finished:
+            break
+    assert finished and "".join(deltas) == "bc"
+    assert all("E" not in d and "N" not in d for d in deltas), deltas
