@@ -12,14 +12,12 @@ Every engine argument of `LLM(...)` is a flag here (`--max-model-len`, `--block-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
-import typing
 
 from tokenmill.core.engine_core_proc import run_engine_core
 from tokenmill.protocol import envs
-from tokenmill.protocol.config import EngineArgs
+from tokenmill.protocol.config import add_engine_args, engine_args_from
 from tokenmill.protocol.sockets import (
     ensure_private_ipc_dir,
     is_loopback,
@@ -41,25 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default=None, help="listen on this host instead of the address's (tcp only)"
     )
     parser.add_argument("--auth-token", default=None, help="required from every client")
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        if hint is bool:
-            parser.add_argument(flag, type=_parse_bool, default=f.default, metavar="BOOL")
-        else:
-            kind = int if int in typing.get_args(hint) or hint is int else None
-            kind = kind or (float if hint is float else str)
-            parser.add_argument(flag, type=kind, default=f.default)
+    add_engine_args(parser)
     return parser
-
-
-def _parse_bool(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,10 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     input_address, output_address = split_address(args.address)
     ensure_private_ipc_dir(input_address)
-    engine_args = EngineArgs(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
-    )
-    config = engine_args.create_engine_config()
+    config = engine_args_from(args).create_engine_config()
     run_engine_core(config, input_address, output_address, None, token)
 
 

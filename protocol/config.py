@@ -405,3 +405,41 @@ def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
     if source is None:
         return ()
     return tuple(source) if isinstance(source, list) else (int(source),)
+
+
+def add_engine_args(parser: Any) -> None:
+    """Adds every EngineArgs field to an argparse parser as a flag (`--max-model-len`, ...):
+    one definition for `LLM(...)`, the engine-core daemon and the server."""
+    import typing
+
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        members = typing.get_args(hint) or (hint,)
+        lists = [m for m in members if typing.get_origin(m) is list]
+        if hint is bool:
+            parser.add_argument(flag, type=_parse_bool, default=f.default, metavar="BOOL")
+        elif lists:  # list[int]: space-separated values
+            (item,) = typing.get_args(lists[0])
+            parser.add_argument(flag, type=item, nargs="+", default=f.default)
+        else:
+            kind = int if int in members else float if float in members else str
+            parser.add_argument(flag, type=kind, default=f.default)
+
+
+def engine_args_from(namespace: Any) -> EngineArgs:
+    """EngineArgs from a namespace parsed with add_engine_args."""
+    return EngineArgs(
+        **{f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)}
+    )
+
+
+def _parse_bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    import argparse
+
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")

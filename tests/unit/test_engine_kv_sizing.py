@@ -97,3 +97,23 @@ def test_auto_fit_without_chunked_prefill_stays_within_the_token_budget(tiny_mod
         assert len(out[0].outputs[0].token_ids) == 6  # stops at max_model_len
     finally:
         llm.shutdown()
+
+
+def test_every_engine_argument_is_a_flag_of_the_daemon() -> None:
+    """The daemon's flags come from EngineArgs itself, lists included."""
+    import dataclasses
+
+    from tokenmill.core.daemon import build_parser
+    from tokenmill.protocol.config import EngineArgs, engine_args_from
+
+    parser = build_parser()
+    flags = {a.dest for a in parser._actions}
+    assert {f.name for f in dataclasses.fields(EngineArgs)} <= flags
+    args = parser.parse_args(
+        ["--address", "ipc:///tmp/x", "--cudagraph-capture-sizes", "1", "8",
+         "--enforce-eager", "true", "--max-model-len", "-1", "--gpu-memory-utilization", "0.5"]
+    )  # fmt: skip
+    engine = engine_args_from(args)
+    assert engine.cudagraph_capture_sizes == [1, 8] and engine.enforce_eager is True
+    assert engine.max_model_len == -1 and engine.gpu_memory_utilization == 0.5
+    assert engine.attention_backend is None and engine.max_logprobs == 20
