@@ -161,7 +161,9 @@ class EngineCore:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if self._grammar_req_ids:
-            self.structured.fill_bitmask(scheduler_output, self.scheduler.requests)
+            self.structured.fill_bitmask(
+                scheduler_output, self._grammar_req_ids, self.scheduler.requests
+            )
         scheduled = time.perf_counter()
         try:
             runner_output = self.executor.execute_model(scheduler_output)

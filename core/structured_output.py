@@ -99,16 +99,18 @@ class StructuredOutputManager:
 
         return xgr.GrammarMatcher(compiled)
 
-    def fill_bitmask(self, out: SchedulerOutput, requests: dict[str, Any]) -> None:
-        """Sets out.grammar_req_ids / out.grammar_bitmask for the scheduled requests that
-        have a grammar and sample a token this step."""
+    def fill_bitmask(
+        self, out: SchedulerOutput, grammar_req_ids: set[str], requests: dict[str, Any]
+    ) -> None:
+        """Sets out.grammar_req_ids / out.grammar_bitmask for the requests of
+        `grammar_req_ids` that are scheduled and sample a token this step (the loop runs over
+        the constrained requests only, not the whole batch)."""
+        scheduled = out.num_scheduled_tokens
         sampling = []
-        for req_id, num in out.num_scheduled_tokens.items():
+        for req_id in grammar_req_ids:
             request = requests.get(req_id)
-            if request is None or request.grammar is None:
-                continue
             # Only a step that reaches the end of the request's tokens samples one.
-            if request.num_computed_tokens >= request.num_tokens:
+            if req_id in scheduled and request.num_computed_tokens >= request.num_tokens:
                 sampling.append(request)
         if not sampling:
             return
