@@ -25,6 +25,7 @@ from tokenmill.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    SchedulerStats,
 )
 from tokenmill.protocol.scheduler_output import SchedulerOutput
 
@@ -157,7 +158,9 @@ class EngineCore:
             if self._compiling and not rejected:  # nothing to run until a grammar is ready
                 _, future = next(iter(self._compiling.values()))
                 wait([future], timeout=_GRAMMAR_WAIT_S)
-            return EngineCoreOutputs(outputs=rejected, timestamp=time.monotonic())
+            return EngineCoreOutputs(
+                outputs=rejected, timestamp=time.monotonic(), scheduler_stats=self.make_stats()
+            )
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if self._grammar_req_ids:
@@ -187,7 +190,20 @@ class EngineCore:
             self.add_step_time("update", time.perf_counter() - executed)
             self.num_timed_steps += 1
         self._stats.record(self, scheduler_output.total_num_scheduled_tokens, outputs)
+        outputs.scheduler_stats = self.make_stats()
         return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        return SchedulerStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting + len(self._compiling),
+            kv_cache_usage=kv.usage(),
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+        )
 
     def get_stats(self) -> dict[str, float | int]:
         scheduler = self.scheduler

@@ -65,6 +65,7 @@ _WORKERS_DEAD = b"workers-dead"
 CLIENT_TIMEOUT_S = 5.0  # a daemon's client that sends nothing for this long is gone
 _IDLE_WAKE_S = 1.0  # an idle loop still looks for silent clients this often
 _DEAD_LINGER_MS = 1000  # how long the last messages get to leave a dying core
+_STATS_INTERVAL_S = 1.0  # how often a client without outputs hears the scheduler stats
 
 
 class EngineCoreProc:
@@ -98,6 +99,10 @@ class EngineCoreProc:
         self.startup_error: str | None = None
         self.core: EngineCore | None = None
         self.stopped = False
+        # Scheduler stats changed outside a step (an abort, a dropped client): an idle core
+        # sends them once, so that no client's gauges go stale.
+        self.stats_dirty = False
+        self.next_stats_broadcast = 0.0
         threading.Thread(target=self._input_loop, daemon=True, name="core-input").start()
         self.output_thread = threading.Thread(
             target=self._output_loop, daemon=True, name="core-output"
@@ -191,6 +196,9 @@ class EngineCoreProc:
                 except queue.Empty:
                     break
             self._drop_silent_clients()
+            if self.stats_dirty and not core.has_unfinished_requests():
+                self.stats_dirty = False
+                self._broadcast_stats(EngineCoreOutputs(scheduler_stats=core.make_stats()), set())
             if core.has_unfinished_requests():
                 try:
                     outputs = core.step()
@@ -239,6 +247,7 @@ class EngineCoreProc:
             self.core.abort_requests(scoped)
             for req_id in scoped:
                 self.request_owner.pop(req_id, None)
+            self.stats_dirty = True
         elif kind == RequestType.UTILITY:
             self._send(identity, OutputType.UTILITY_RESULT, self._utility(payload))
 
@@ -281,8 +290,24 @@ class EngineCoreProc:
                 del self.request_owner[out.request_id]
             out.request_id = out.request_id[_SCOPE_LEN:]
             per_client.setdefault(owner, []).append(out)
+        stats = outputs.scheduler_stats
         for identity, outs in per_client.items():
-            self._send(identity, OutputType.OUTPUTS, EngineCoreOutputs(outs, outputs.timestamp))
+            self._send(
+                identity, OutputType.OUTPUTS, EngineCoreOutputs(outs, outputs.timestamp, stats)
+            )
+        assert self.core is not None
+        now = time.monotonic()
+        if now >= self.next_stats_broadcast or not self.core.has_unfinished_requests():
+            self._broadcast_stats(outputs, per_client.keys())
+
+    def _broadcast_stats(self, outputs: EngineCoreOutputs, skip: Any) -> None:
+        """Sends the scheduler stats alone to every client not in `skip` (at most once a
+        second while busy; always when the core goes idle)."""
+        self.next_stats_broadcast = time.monotonic() + _STATS_INTERVAL_S
+        stats_only = EngineCoreOutputs([], outputs.timestamp, outputs.scheduler_stats)
+        for identity in self.clients:
+            if identity not in skip:
+                self._send(identity, OutputType.OUTPUTS, stats_only)
 
     # ----------------------------------------------------------------- clients and death
     def _drop_silent_clients(self) -> None:
@@ -306,6 +331,7 @@ class EngineCoreProc:
             del self.request_owner[req_id]
         if self.core is not None:
             self.core.abort_requests(orphans)
+        self.stats_dirty = True
         logger.warning(
             "client %s is gone (%s); aborted its %d requests", identity.hex(), reason, len(orphans)
         )

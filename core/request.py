@@ -7,6 +7,7 @@ appends sampled tokens and decides when it stops); read by the KV cache manager.
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 from tokenmill.protocol.messages import (
@@ -57,6 +58,8 @@ class Request:
         # Tokens whose K/V are in the cache (or scheduled to be written this step).
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.added_time = time.monotonic()
+        self.queue_time: float | None = None  # seconds from added to first scheduled
         # Prefix-cache keys of its full blocks, extended as tokens are appended, and how many
         # of its blocks are registered in the cache.
         self.block_hashes: list[bytes] = []

@@ -1,29 +1,44 @@
 """AsyncLLM: the asyncio engine front, for servers and concurrent callers.
 
 `async for out in engine.generate(prompt, params, request_id)` yields a RequestOutput after
-every engine step that gave the request new tokens (cumulative text and token ids, as vLLM's
-default). Leaving the loop early, or cancelling the task, aborts the request in the core.
-The engine core runs in its own process (spawned, or a daemon given by `engine_address`);
-a thread waits for its outputs and hands them to the event loop, where all bookkeeping and
-socket sends happen. If the core dies, every open stream raises EngineDeadError.
+every engine step that gave the request new tokens (cumulative text and token ids by
+default; `output_kind` asks for deltas or the final output only). Leaving the loop early, or
+cancelling the task, aborts the request in the core at once.
+
+The engine core runs in its own process (spawned, or a daemon given by `engine_address`),
+reached through an AsyncMPClient whose sockets the event loop reads itself. One task takes
+the core's outputs, detokenizes them in chunks (yielding to the loop between chunks, so that
+hundreds of streams never stall it for long) and hands them to the streams. Prompts are
+tokenized (and chat templates rendered) on one worker thread, off the loop. If the core
+dies, every open stream raises EngineDeadError, and so does every later call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
+import logging
+import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tokenmill.frontend.core_client import EngineDeadError, SyncMPClient
-from tokenmill.frontend.input_processor import PromptType
+from tokenmill.frontend.core_client import AsyncMPClient, EngineDeadError
+from tokenmill.frontend.input_processor import PromptType, render_chat
 from tokenmill.frontend.llm_engine import make_processors
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs
-from tokenmill.protocol.messages import EngineCoreOutputs, SamplingParams
+from tokenmill.protocol.messages import EngineCoreOutputs, SamplingParams, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# Outputs detokenized between two yields to the event loop (vLLM processes them in chunks
+# of the same size).
+OUTPUT_CHUNK_SIZE = 128
+
+Stream = asyncio.Queue  # of RequestOutput, or the exception that ends the stream
 
 
 class AsyncLLM:
@@ -32,46 +47,43 @@ class AsyncLLM:
         model: str | None = None,
         engine_address: str | None = None,
         auth_token: str | None = None,
+        stat_loggers: list[Any] | None = None,
         **kwargs: Any,
     ) -> None:
         token = auth_token if auth_token is not None else envs.TOKENMILL_AUTH_TOKEN
         if engine_address is None:
-            self.client = SyncMPClient(EngineArgs(model=model, **kwargs).create_engine_config())
+            config = EngineArgs(model=model, **kwargs).create_engine_config()
+            self.client = AsyncMPClient(config)
         else:
-            self.client = SyncMPClient(None, engine_address, token)
+            if kwargs:
+                raise TypeError(
+                    f"engine arguments {sorted(kwargs)} belong to the engine-core daemon at "
+                    f"{engine_address}, not to a client that connects to it"
+                )
+            self.client = AsyncMPClient(None, engine_address, token)
         self.config = self.client.engine_config
+        self.model_config = self.config.model_config
         self.tokenizer, self.input_processor, self.output_processor = make_processors(
-            self.config.model_config
+            self.model_config
         )
-        self.streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Stat loggers get `on_request`, `on_abort` and `on_outputs` calls (frontend/metrics.py).
+        self.stat_loggers = list(stat_loggers or [])
+        self.streams: dict[str, Stream] = {}
+        self.scheduler_stats = SchedulerStats()  # as of the core's latest message
         self.dead: BaseException | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
+        self._handler: asyncio.Task | None = None
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._finalizer = weakref.finalize(self, _shutdown, self.client, self._tokenizer_thread)
 
-    def _start(self) -> None:
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
-            threading.Thread(
-                target=_pump,
-                args=(weakref.ref(self), self.client, self.loop),
-                daemon=True,
-                name="async-llm-outputs",
-            ).start()
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, stat_loggers: list[Any] | None = None
+    ) -> AsyncLLM:
+        kwargs = {k: getattr(engine_args, k) for k in EngineArgs.field_names()}
+        return cls(stat_loggers=stat_loggers, **kwargs)
 
-    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
-        results, stopped = self.output_processor.process_outputs(outputs.outputs)
-        if stopped:
-            self.client.abort_requests(stopped)
-        for result in results:
-            stream = self.streams.get(result.request_id)
-            if stream is not None:
-                stream.put_nowait(result)
-
-    def _fail_all(self, error: BaseException) -> None:
-        self.dead = error
-        for stream in self.streams.values():
-            stream.put_nowait(error)
-
+    # ------------------------------------------------------------------------ requests
     async def generate(
         self,
         prompt: PromptType,
@@ -79,18 +91,28 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        self._start()
+        self.start()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request, text = self.input_processor.process(request_id, prompt, sampling_params, priority)
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        arrival = time.monotonic()
+        request, text = await self._run_off_loop(
+            self.input_processor.process, request_id, prompt, sampling_params, priority
+        )
+        if self.dead is not None:  # died while the prompt was tokenized
+            raise EngineDeadError(str(self.dead))
+        stream: Stream = asyncio.Queue()
         self.streams[request_id] = stream
         finished = False
         try:
-            self.client.add_requests(self.output_processor.add_request(request, text))
+            core_requests = self.output_processor.add_request(request, text)
+            for stat_logger in self.stat_loggers:
+                stat_logger.on_request(
+                    [r.request_id for r in core_requests], len(request.prompt_token_ids), arrival
+                )
+            self.client.add_requests(core_requests)
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -100,51 +122,132 @@ class AsyncLLM:
         finally:
             del self.streams[request_id]
             if not finished:  # cancelled or abandoned: stop spending compute on it
-                core_ids = self.output_processor.abort_requests([request_id])
-                if self.dead is None:
-                    self.client.abort_requests(core_ids)
+                self._abort([request_id])
+
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> dict[str, Any]:
+        """A text prompt tokenized (off the loop), as a token prompt for generate()."""
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True has none)")
+        ids = await self._run_off_loop(
+            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        )
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> dict[str, Any]:
+        """A chat rendered with the model's template, as a token prompt for generate()."""
+        return await self._run_off_loop(
+            render_chat,
+            self.tokenizer,
+            messages,
+            chat_template,
+            add_generation_prompt,
+            template_kwargs,
+        )
+
+    async def _run_off_loop(self, fn: Callable, *args: Any) -> Any:
+        """Runs tokenizer work on the one tokenizer thread (tokenizers are not safe to use
+        from several threads at once), leaving the event loop free."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        core_ids = self.output_processor.abort_requests(request_ids)
+        for stat_logger in self.stat_loggers:
+            stat_logger.on_abort(core_ids)
+        if self.dead is None:
+            self.client.abort_requests(core_ids)
 
     async def abort(self, request_id: str) -> None:
-        self.client.abort_requests(self.output_processor.abort_requests([request_id]))
+        """Aborts a request; its stream (if any is open) ends with CancelledError."""
+        self._abort([request_id])
         stream = self.streams.get(request_id)
         if stream is not None:
             stream.put_nowait(asyncio.CancelledError(f"request {request_id} was aborted"))
 
+    # ------------------------------------------------------------------------- outputs
+    def start(self) -> None:
+        """Starts taking the core's outputs on the running loop (generate() does it too), so
+        that a core's death is noticed without any request in flight."""
+        if self._handler is None:
+            self._handler = asyncio.get_running_loop().create_task(
+                _output_handler(weakref.ref(self), self.client), name="async-llm-outputs"
+            )
+
+    async def _dispatch(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self.scheduler_stats = outputs.scheduler_stats
+        for stat_logger in self.stat_loggers:
+            stat_logger.on_outputs(outputs)
+        items = outputs.outputs
+        for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
+            if start:
+                await asyncio.sleep(0)  # let the loop serve others between chunks
+            chunk = items[start : start + OUTPUT_CHUNK_SIZE]
+            results, stopped = self.output_processor.process_outputs(chunk)
+            if stopped:
+                self.client.abort_requests(stopped)
+            for result in results:
+                stream = self.streams.get(result.request_id)
+                if stream is not None:
+                    stream.put_nowait(result)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead = error
+        for stream in self.streams.values():
+            stream.put_nowait(error)
+
+    # ---------------------------------------------------------------------- utilities
+    @property
+    def errored(self) -> bool:
+        return self.dead is not None
+
     async def get_stats(self) -> dict[str, Any]:
-        return await asyncio.to_thread(self.client.call_utility, "get_stats")
+        return await self.client.call_utility_async("get_stats")
 
     async def check_health(self) -> bool:
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        return await asyncio.to_thread(self.client.call_utility, "check_health")
+        return await self.client.call_utility_async("check_health")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility_async("reset_prefix_cache")
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     def shutdown(self) -> None:
-        self.client.shutdown()
+        if self._handler is not None:
+            self._handler.cancel()
+        self._finalizer()
 
 
-def _pump(
-    engine_ref: weakref.ref[AsyncLLM], client: SyncMPClient, loop: asyncio.AbstractEventLoop
-) -> None:
-    """Waits for the core's outputs off the event loop and hands them over. Holds the engine
-    only weakly: once it is garbage, the core is shut down."""
+async def _output_handler(engine_ref: weakref.ref[AsyncLLM], client: AsyncMPClient) -> None:
+    """Takes the core's outputs to the streams, holding the engine only weakly: once it is
+    garbage, its finalizer shuts the core down."""
     while True:
         try:
-            outputs = client.get_output(timeout=0.2)
+            outputs = await client.get_output_async()
         except EngineDeadError as e:
             engine = engine_ref()
             if engine is not None:
-                try:
-                    loop.call_soon_threadsafe(engine._fail_all, e)
-                except RuntimeError:  # the event loop was closed: nobody is listening
-                    pass
+                engine._fail_all(e)
             return
         engine = engine_ref()
         if engine is None:
-            client.shutdown()
             return
-        if outputs is not None:
-            try:
-                loop.call_soon_threadsafe(engine._dispatch, outputs)
-            except RuntimeError:  # the event loop was closed: nobody is listening
-                return
+        try:
+            await engine._dispatch(outputs)
+        except Exception:  # one bad batch must not end every stream
+            logger.exception("could not process the engine core's outputs")
         del engine
+
+
+def _shutdown(client: AsyncMPClient, tokenizer_thread: ThreadPoolExecutor) -> None:
+    tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+    client.shutdown()

@@ -2,8 +2,10 @@
 
 `InprocClient` builds the EngineCore in the caller's process and steps it directly (for
 debugging and the torchrun external launcher). `SyncMPClient` spawns an engine-core process
-and talks to it over ZeroMQ with msgspec frames: requests go out on a DEALER socket, and a
-background thread receives outputs and utility results and sends a heartbeat every second.
+(or reaches a daemon) and talks to it over ZeroMQ with msgspec frames: requests go out on a
+DEALER socket, and a background thread receives outputs and utility results and sends a
+heartbeat every second. `AsyncMPClient` does the same from an asyncio event loop, which reads
+the output socket itself (no thread).
 If the core dies (it says why in a last message, or its process or connection is seen gone),
 every pending and later call raises `EngineDeadError` instead of hanging. Shutting down
 never waits without a deadline, also when it runs as a garbage collector's finalizer.
@@ -11,6 +13,7 @@ never waits without a deadline, also when it runs as a garbage collector's final
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -26,6 +29,7 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 from tokenmill.protocol.codec import DecodeError, Decoder, Encoder
 from tokenmill.protocol.config import EngineConfig
@@ -126,26 +130,24 @@ class InprocClient(EngineCoreClient):
             self.engine_core = None
 
 
-class SyncMPClient(EngineCoreClient):
-    """Talks to an engine core in another process over ZeroMQ.
+class MPClient:
+    """What both multiprocess clients share: spawning (or reaching) the core, the sockets
+    and handshake, decoding the core's messages, and a shutdown that never blocks.
 
     Without `engine_address` it spawns the core itself and stops it on shutdown(), garbage
     collection or interpreter exit; with one it connects to a running `engine-core` daemon
-    (and leaves it running)."""
+    (and leaves it running). With `asyncio_mode` the output socket (and its monitor) are
+    asyncio sockets, read by the event loop itself."""
 
     def __init__(
         self,
         config: EngineConfig | None,
         engine_address: str | None = None,
         auth_token: str = "",
-        reconnect: bool = False,
+        asyncio_mode: bool = False,
     ) -> None:
         self.proc: subprocess.Popen | None = None
         self.auth_token = auth_token
-        # With a daemon: survive its restart by resubmitting unfinished requests.
-        self.reconnect = reconnect and engine_address is not None
-        self.in_flight: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
-        self.send_lock = threading.Lock()  # the output thread resubmits after a reconnect
         self.ipc_dir: str | None = None
         if engine_address is None:
             assert config is not None, "a spawned engine core needs a config"
@@ -159,9 +161,10 @@ class SyncMPClient(EngineCoreClient):
             timeout = CONNECT_TIMEOUT_S
         self.address = engine_address or input_address
         self.ctx = zmq.Context()
+        output_ctx = zmq.asyncio.Context.shadow(self.ctx.underlying) if asyncio_mode else self.ctx
         identity = os.urandom(8)
         self.input_socket = self.ctx.socket(zmq.DEALER)
-        self.output_socket = self.ctx.socket(zmq.DEALER)
+        self.output_socket = output_ctx.socket(zmq.DEALER)
         for socket, address in (
             (self.input_socket, input_address),
             (self.output_socket, output_address),
@@ -172,17 +175,22 @@ class SyncMPClient(EngineCoreClient):
         # A daemon has no process handle to watch: a dropped connection is how it dies.
         self.monitor = self.output_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.encoder = Encoder()
-        self.outputs: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
-        self.utility_results: dict[int, queue.Queue[UtilityResult | BaseException]] = {}
         self.call_ids = itertools.count()
         self.dead: str | None = None
-        self.stop_thread = stop_thread = threading.Event()
-        threads: list[threading.Thread] = []
+        self.stop_thread = threading.Event()
+        self.threads: list[threading.Thread] = []
         # The finalizer holds the sockets themselves: by the time a garbage collector runs
         # it, the context's own (weak) list of them is already cleared.
         sockets = [self.input_socket, self.output_socket, self.monitor]
         self._finalizer = weakref.finalize(
-            self, _shutdown, self.proc, self.ctx, sockets, self.ipc_dir, stop_thread, threads
+            self,
+            _shutdown,
+            self.proc,
+            self.ctx,
+            sockets,
+            self.ipc_dir,
+            self.stop_thread,
+            self.threads,
         )
         self.ready = self._handshake(auth_token, timeout)
         self._decoders = {
@@ -190,20 +198,7 @@ class SyncMPClient(EngineCoreClient):
             OutputType.UTILITY_RESULT: Decoder(UtilityResult),
             OutputType.ENGINE_DEAD: Decoder(EngineDead),
         }
-        self._poller = zmq.Poller()
-        self._poller.register(self.output_socket, zmq.POLLIN)
-        self._poller.register(self.monitor, zmq.POLLIN)
         self.next_heartbeat = 0.0
-        # The thread holds the client only weakly, so that dropping the last reference to it
-        # still shuts the engine core down.
-        thread = threading.Thread(
-            target=_output_thread,
-            args=(weakref.ref(self), stop_thread),
-            daemon=True,
-            name="mp-client-output",
-        )
-        threads.append(thread)
-        thread.start()
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -211,12 +206,14 @@ class SyncMPClient(EngineCoreClient):
 
     def _handshake(self, auth_token: str, timeout: float) -> Ready:
         self._send(RequestType.HELLO, Hello(PROTOCOL_VERSION, auth_token))
+        # A blocking view of the output socket (an asyncio one cannot be read outside a loop).
+        socket = zmq.Socket.shadow(self.output_socket.underlying)
         poller = zmq.Poller()
-        poller.register(self.output_socket, zmq.POLLIN)
+        poller.register(socket, zmq.POLLIN)
         waited = 0.0
         while waited < timeout:
             if poller.poll(100):
-                kind, *frames = self.output_socket.recv_multipart(copy=False)
+                kind, *frames = socket.recv_multipart(copy=False)
                 if kind.bytes == OutputType.READY:
                     return Decoder(Ready).decode([f.buffer for f in frames])
                 if kind.bytes == OutputType.STARTUP_ERROR:
@@ -232,40 +229,114 @@ class SyncMPClient(EngineCoreClient):
         self.shutdown()
         raise TimeoutError(f"engine core at {self.address} did not answer within {timeout:.0f} s")
 
+    def _decode(self, frames: list) -> Any:
+        """The message in a multipart from the core (None if it cannot be read)."""
+        kind, *body = frames
+        decoder = self._decoders.get(kind.bytes)
+        if decoder is None:
+            return None
+        try:
+            return decoder.decode([f.buffer for f in body])
+        except (DecodeError, ValueError) as e:
+            logger.warning("dropped a message from the engine core: %s", e)
+            return None
+
+    def _heartbeat(self) -> None:
+        """Sends a heartbeat when one is due (a daemon drops clients that go quiet)."""
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + HEARTBEAT_INTERVAL_S
+            with contextlib.suppress(zmq.Again):
+                self._send_raw([RequestType.HEARTBEAT], zmq.NOBLOCK)
+
+    def _process_died(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            self._die(f"engine core process died (exit code {self.proc.returncode})")
+            return True
+        return False
+
+    def _die(self, reason: str) -> None:
+        self.dead = reason
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    def _send_raw(self, frames: list, flags: int = 0) -> None:
+        self.input_socket.send_multipart(frames, flags, copy=False)
+
+    def _send(self, kind: bytes, payload: Any) -> None:
+        self._send_raw([kind, *self.encoder.encode(payload)])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._check_alive()
+        self._send(RequestType.ADD, requests)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if self.dead is None and request_ids:
+            self._send(RequestType.ABORT, list(request_ids))
+
+    def shutdown(self) -> None:
+        if self.dead is None:
+            self.dead = "the client was shut down"
+        self._finalizer()
+
+
+class SyncMPClient(MPClient, EngineCoreClient):
+    """Talks to an engine core in another process, for blocking callers: a background
+    thread receives outputs and utility results and sends the heartbeats. With a daemon and
+    `reconnect`, it survives the daemon's restart by resubmitting unfinished requests."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None,
+        engine_address: str | None = None,
+        auth_token: str = "",
+        reconnect: bool = False,
+    ) -> None:
+        self.reconnect = reconnect and engine_address is not None
+        self.in_flight: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
+        self.send_lock = threading.Lock()  # the output thread sends too
+        self.outputs: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
+        self.utility_results: dict[int, queue.Queue[UtilityResult | BaseException]] = {}
+        super().__init__(config, engine_address, auth_token)
+        self._poller = zmq.Poller()
+        self._poller.register(self.output_socket, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
+        # The thread holds the client only weakly, so that dropping the last reference to it
+        # still shuts the engine core down.
+        thread = threading.Thread(
+            target=_output_thread,
+            args=(weakref.ref(self), self.stop_thread),
+            daemon=True,
+            name="mp-client-output",
+        )
+        self.threads.append(thread)
+        thread.start()
+
+    def _send_raw(self, frames: list, flags: int = 0) -> None:
+        with self.send_lock:
+            super()._send_raw(frames, flags)
+
     def _receive_once(self) -> bool:
         """One turn of the output thread: waits up to 200 ms for a message from the core and
         hands it over, sending a heartbeat when one is due. False once the thread should end.
         The sockets it polls are closed only after it has ended."""
         if self.dead is not None:
             return False
-        now = time.monotonic()
-        if now >= self.next_heartbeat:
-            self.next_heartbeat = now + HEARTBEAT_INTERVAL_S
-            with self.send_lock, contextlib.suppress(zmq.Again):
-                self.input_socket.send(RequestType.HEARTBEAT, zmq.NOBLOCK)
+        self._heartbeat()
         ready = dict(self._poller.poll(200))
         # Messages first: a dying core's last word (why it died) arrives before its socket
         # is seen to close.
         if self.monitor in ready and self.output_socket not in ready:
             self.monitor.recv_multipart()
-            if self.reconnect and self._reconnect(self._decoders):
+            if self.reconnect and self._reconnect():
                 return True
             self._die(f"lost the connection to the engine core at {self.address}")
             return False
         if not ready:
-            if self.proc is not None and self.proc.poll() is not None:
-                self._die(f"engine core process died (exit code {self.proc.returncode})")
-                return False
-            return True
-        try:
-            kind, *frames = self.output_socket.recv_multipart(copy=False)
-            decoder = self._decoders.get(kind.bytes)
-            if decoder is None:
-                return True
-            message = decoder.decode([f.buffer for f in frames])
-        except (DecodeError, ValueError) as e:
-            logger.warning("dropped a message from the engine core: %s", e)
-            return True
+            return not self._process_died()
+        message = self._decode(self.output_socket.recv_multipart(copy=False))
         if isinstance(message, EngineDead):
             self._die(f"the engine core died: {message.cause}")
             return False
@@ -273,7 +344,7 @@ class SyncMPClient(EngineCoreClient):
             waiter = self.utility_results.get(message.call_id)
             if waiter is not None:
                 waiter.put(message)
-        else:
+        elif message is not None:
             self._track(message)
             self.outputs.put(message)
         return True
@@ -292,7 +363,7 @@ class SyncMPClient(EngineCoreClient):
                 else:
                     entry[1].extend(out.new_token_ids)
 
-    def _reconnect(self, decoders: dict) -> bool:
+    def _reconnect(self) -> bool:
         """Waits for the daemon to come back at the same address, says hello again and
         resubmits every unfinished request with the tokens it already produced appended to
         its prompt, so callers get complete outputs. False if it does not come back."""
@@ -319,20 +390,11 @@ class SyncMPClient(EngineCoreClient):
         return False
 
     def _die(self, reason: str) -> None:
-        self.dead = reason
+        super()._die(reason)
         error = EngineDeadError(reason)
         self.outputs.put(error)
         for waiter in list(self.utility_results.values()):
             waiter.put(error)
-
-    def _check_alive(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
-
-    def _send(self, kind: bytes, payload: Any) -> None:
-        with self.send_lock:
-            frames = [kind, *self.encoder.encode(payload)]
-            self.input_socket.send_multipart(frames, copy=False)
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._check_alive()
@@ -347,8 +409,7 @@ class SyncMPClient(EngineCoreClient):
             with self.send_lock:
                 for req_id in request_ids:
                     self.in_flight.pop(req_id, None)
-        if self.dead is None and request_ids:
-            self._send(RequestType.ABORT, list(request_ids))
+        super().abort_requests(request_ids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         """The next step's outputs; None if `timeout` seconds pass without any."""
@@ -379,22 +440,130 @@ class SyncMPClient(EngineCoreClient):
                 except queue.Empty:
                     self._check_alive()
                     if time.monotonic() >= deadline:
-                        raise TimeoutError(
-                            f"{method} got no answer from the engine core at {self.address} "
-                            f"within {timeout:.0f} s"
-                        ) from None
+                        raise _utility_timeout(method, self.address, timeout) from None
         finally:
             del self.utility_results[call_id]
         if isinstance(result, BaseException):
             raise result
-        if result.error is not None:
-            raise RuntimeError(f"{method} failed in the engine core: {result.error}")
-        return result.result
+        return _utility_value(method, result)
+
+
+class AsyncMPClient(MPClient):
+    """Talks to an engine core in another process from an asyncio event loop, with no thread
+    of its own: the loop reads the output socket (and its monitor) directly, and a task sends
+    the heartbeats and watches a spawned core's process. Sends are non-blocking socket writes
+    made on the loop's thread. Call shutdown() from the loop's thread."""
+
+    def __init__(
+        self, config: EngineConfig | None, engine_address: str | None = None, auth_token: str = ""
+    ) -> None:
+        self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
+        self.utility_futures: dict[int, asyncio.Future] = {}
+        self.tasks: list[asyncio.Task] = []
+        super().__init__(config, engine_address, auth_token, asyncio_mode=True)
+
+    def _ensure_started(self) -> None:
+        """Starts the receiving and heartbeat tasks on the running loop (once)."""
+        if self.outputs is not None:
+            return
+        self.outputs = asyncio.Queue()
+        if self.dead is not None:
+            self.outputs.put_nowait(EngineDeadError(self.dead))
+            return
+        loop = asyncio.get_running_loop()
+        self.tasks = [
+            loop.create_task(self._receive_loop(), name="async-mp-client-receive"),
+            loop.create_task(self._heartbeat_loop(), name="async-mp-client-heartbeat"),
+        ]
+
+    async def _receive_loop(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while self.dead is None:
+            ready = dict(await poller.poll())
+            if self.output_socket in ready:
+                # Messages first: a dying core's last word arrives before its socket closes.
+                frames = await self.output_socket.recv_multipart(copy=False)
+                self._on_message(self._decode(frames))
+            elif self.monitor in ready:
+                await self.monitor.recv_multipart()
+                self._die(f"lost the connection to the engine core at {self.address}")
+
+    def _on_message(self, message: Any) -> None:
+        assert self.outputs is not None
+        if isinstance(message, EngineDead):
+            self._die(f"the engine core died: {message.cause}")
+        elif isinstance(message, UtilityResult):
+            future = self.utility_futures.get(message.call_id)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif message is not None:
+            self.outputs.put_nowait(message)
+
+    async def _heartbeat_loop(self) -> None:
+        while self.dead is None:
+            self._heartbeat()
+            if self._process_died():
+                return
+            await asyncio.sleep(min(HEARTBEAT_INTERVAL_S, 0.5))
+
+    def _die(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        super()._die(reason)
+        error = EngineDeadError(reason)
+        if self.outputs is not None:
+            self.outputs.put_nowait(error)
+        for future in self.utility_futures.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next message of outputs from the core; raises EngineDeadError once it is
+        gone."""
+        self._ensure_started()
+        assert self.outputs is not None
+        result = await self.outputs.get()
+        if isinstance(result, BaseException):
+            self.outputs.put_nowait(result)  # every later call fails the same way
+            raise result
+        return result
+
+    async def call_utility_async(
+        self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S
+    ) -> Any:
+        self._ensure_started()
+        call_id = next(self.call_ids)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.utility_futures[call_id] = future
+        try:
+            self._check_alive()
+            self._send(RequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+            try:
+                result = await asyncio.wait_for(future, timeout)
+            except asyncio.TimeoutError:
+                raise _utility_timeout(method, self.address, timeout) from None
+        finally:
+            del self.utility_futures[call_id]
+        return _utility_value(method, result)
 
     def shutdown(self) -> None:
-        if self.dead is None:
-            self.dead = "the client was shut down"
-        self._finalizer()
+        for task in self.tasks:
+            task.cancel()
+        super().shutdown()
+
+
+def _utility_timeout(method: str, address: str, timeout: float) -> TimeoutError:
+    return TimeoutError(
+        f"{method} got no answer from the engine core at {address} within {timeout:.0f} s"
+    )
+
+
+def _utility_value(method: str, result: UtilityResult) -> Any:
+    if result.error is not None:
+        raise RuntimeError(f"{method} failed in the engine core: {result.error}")
+    return result.result
 
 
 def _output_thread(client_ref: weakref.ref[SyncMPClient], stop: threading.Event) -> None:

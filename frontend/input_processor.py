@@ -108,3 +108,24 @@ class InputProcessor:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         kind = type(prompt).__name__
         raise TypeError(f'a prompt must be a string or {{"prompt_token_ids": [...]}}, got {kind}')
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """{"prompt": text, "prompt_token_ids": ids} of a chat under the model's template."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer; it was skipped (skip_tokenizer_init=True)")
+    text = tokenizer.apply_chat_template(
+        messages,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **(template_kwargs or {}),
+    )
+    # The template already holds the special tokens; do not add BOS again.
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

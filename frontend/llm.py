@@ -18,7 +18,7 @@ from typing import Any, Union
 import msgspec
 from tqdm.auto import tqdm
 
-from tokenmill.frontend.input_processor import PromptType
+from tokenmill.frontend.input_processor import PromptType, render_chat
 from tokenmill.frontend.llm_engine import LLMEngine
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.protocol import envs
@@ -104,15 +104,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
+            prompts.append(
+                render_chat(tokenizer, conversation, chat_template, add_generation_prompt)
             )
-            # The template already holds the special tokens; do not add BOS again.
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(

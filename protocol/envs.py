@@ -39,6 +39,8 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     "TOKENMILL_MULTIPROC": _bool("TOKENMILL_MULTIPROC", True),
     # The token a client presents to (and a daemon demands from) tcp peers.
     "TOKENMILL_AUTH_TOKEN": lambda: os.environ.get("TOKENMILL_AUTH_TOKEN", ""),
+    # The key `tokenmill serve` demands from HTTP clients when --api-key is not given.
+    "TOKENMILL_API_KEY": lambda: os.environ.get("TOKENMILL_API_KEY", ""),
     # Fraction of available RAM given to the KV cache on the CPU when no explicit
     # kv_cache_memory_bytes is set.
     "TOKENMILL_CPU_KV_FRACTION": _float("TOKENMILL_CPU_KV_FRACTION", 0.25),

@@ -259,15 +259,30 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_logprobs: Optional[LogprobsArrays] = None  # one row per new token
     # All the prompt's positions after the first, with the request's first token.
     prompt_logprobs: Optional[LogprobsArrays] = None
+    # With the first token: seconds from the core receiving the request to its first step.
+    queue_time: Optional[float] = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    """The scheduler's state after a step (gauges) and its running totals since start-up
+    (counters), sent with the outputs so that a frontend's metrics never poll the core."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of the KV blocks in use
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+    scheduler_stats: Optional[SchedulerStats] = None
 
 
 # ---------------------------------------------------------------- engine-core process wire

@@ -14,6 +14,11 @@ import psutil
 
 from tokenmill.protocol.process import stop_processes
 
+try:
+    import httpx
+except ImportError:  # recent openai clients ship the same library as `httpx2`
+    import httpx2 as httpx  # type: ignore[no-redef]
+
 LONG_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes "
     "Gutenberg combined movable metal type, oil-based inks and a wooden press adapted from "
@@ -146,3 +151,43 @@ def require_triton():
             pytest.fail("triton is not installed, and CI must run the Triton tests")
         pytest.skip("triton is not installed (pip install triton==3.9.0 runs it on the CPU)")
     return triton
+
+
+@contextmanager
+def running_server(
+    model_path, *extra: str, api_key: str | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`tokenmill serve` (as `python -m tokenmill.frontend.server`) on a free loopback port,
+    serving the model as "smollm2"; yields the process and the base URL once /health
+    answers. Stopped on the way out whatever happened (SIGTERM, then SIGKILL for the
+    server and everything it started)."""
+    port = free_port_pair()
+    command = [
+        sys.executable, "-m", "tokenmill.frontend.server", str(model_path),
+        "--port", str(port), "--served-model-name", "smollm2", "--disable-access-log",
+        "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20),
+        *(["--api-key", api_key] if api_key else []), *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(command)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited during start-up ({proc.returncode})")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not come up within 180 s")
+            time.sleep(0.25)
+        yield proc, base
+    finally:
+        try:
+            family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(True)]
+        except psutil.NoSuchProcess:
+            family = [proc.pid]
+        stop_processes([proc], timeout=10.0)
+        kill_all([psutil.Process(p) for p in wait_until_gone(family, 5.0)])

@@ -173,6 +173,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.queue_time = time.monotonic() - request.added_time
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             new_reqs.append(
@@ -257,6 +258,10 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 error=error,
+                # Once, with the first output token.
+                queue_time=request.queue_time
+                if request.num_output_tokens == len(new_tokens)
+                else None,
             )
             params = request.sampling_params
             if req_id in logprob_rows and params.logprobs is not None:

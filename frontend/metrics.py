@@ -1,0 +1,153 @@
+"""Serving metrics in Prometheus form, under vLLM's names with a `tokenmill:` prefix.
+
+`PrometheusStatLogger` is fed by AsyncLLM: every message from the core carries the
+scheduler's stats (gauges, and running totals that become counters here), and every output
+token updates the request's latencies (time to first token, inter-token latency, time per
+output token, end-to-end latency, queue time in the core). It writes into its own
+`CollectorRegistry`, so that several engines in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenmill.protocol.messages import EngineCoreOutputs, SchedulerStats
+
+PREFIX = "tokenmill:"
+
+# Bucket bounds (seconds) as vLLM's, which cover a CPU's slow steps as well as a GPU's.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class _RequestTimes:
+    arrival: float  # time.monotonic() when the frontend got the request
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float = 0.0
+    num_tokens: int = 0
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            metric = Gauge(PREFIX + name, doc, labels, registry=self.registry)
+            return metric.labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            metric = Counter(PREFIX + name, doc, labels, registry=self.registry)
+            return metric.labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+            return metric.labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the engine's running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests started.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to the first output token.", _TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between a request's outputs.", _ITL_BUCKETS
+        )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: time after the first token / further tokens.",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to the last token.", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time in the core's waiting queue before the first step.",
+            _LATENCY_BUCKETS,
+        )
+        self.loop_lag = histogram(
+            "event_loop_lag_seconds",
+            "How late the server's event loop woke a 10 ms timer (stalls).",
+            _LOOP_LAG_BUCKETS,
+        )
+        self.loop_lag_max = gauge(
+            "event_loop_lag_max_seconds", "The longest event-loop stall since start."
+        )
+        self._max_lag = 0.0
+        self._totals = SchedulerStats()
+        self._requests: dict[str, _RequestTimes] = {}
+
+    # ---------------------------------------------------------------- from AsyncLLM
+    def on_request(self, core_ids: list[str], num_prompt_tokens: int, arrival: float) -> None:
+        for core_id in core_ids:
+            self._requests[core_id] = _RequestTimes(arrival, num_prompt_tokens)
+
+    def on_abort(self, core_ids: list[str]) -> None:
+        for core_id in core_ids:
+            self._requests.pop(core_id, None)
+
+    def on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        if outputs.scheduler_stats is not None:
+            self._record_scheduler(outputs.scheduler_stats)
+        for out in outputs.outputs:
+            times = self._requests.get(out.request_id)
+            if times is None:
+                continue
+            if out.new_token_ids:
+                if times.first_token is None:
+                    times.first_token = now
+                    self.ttft.observe(now - times.arrival)
+                    self.prompt_tokens.inc(times.num_prompt_tokens)
+                else:
+                    self.itl.observe(now - times.last_token)
+                times.last_token = now
+                times.num_tokens += len(out.new_token_ids)
+                self.generation_tokens.inc(len(out.new_token_ids))
+            if out.queue_time is not None:
+                self.queue_time.observe(out.queue_time)
+            if out.finished:
+                del self._requests[out.request_id]
+                self.e2e.observe(now - times.arrival)
+                if times.first_token is not None and times.num_tokens > 1:
+                    self.tpot.observe((now - times.first_token) / (times.num_tokens - 1))
+
+    def on_loop_lag(self, seconds: float) -> None:
+        self.loop_lag.observe(seconds)
+        if seconds > self._max_lag:
+            self._max_lag = seconds
+            self.loop_lag_max.set(seconds)
+
+    def _record_scheduler(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        # The core sends running totals; counters take what is new since the last message
+        # (a daemon's totals from before this frontend attached count too).
+        last = self._totals
+        for counter, now, before in (
+            (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+            (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+            (self.preemptions, stats.num_preemptions, last.num_preemptions),
+        ):
+            if now > before:
+                counter.inc(now - before)
+        self._totals = stats

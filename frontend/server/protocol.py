@@ -1,0 +1,173 @@
+"""The OpenAI API's request bodies (pydantic models), with vLLM's extra sampling fields.
+
+Unknown fields are refused (a typo must not pass silently), and so are OpenAI fields this
+engine does not have (tools, audio, ...): `unsupported_fields()` names them, and the server
+answers 400. Responses are plain dicts built in serving.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """What both endpoints share: OpenAI's sampling fields and vLLM's extras."""
+
+    model: Optional[str] = None
+    n: int = 1
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # vLLM's extra sampling fields.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    prompt_logprobs: Optional[int] = None
+    priority: int = 0
+    # vLLM's: the choices also carry their token ids (and the prompt's).
+    return_token_ids: bool = False
+    # Structured outputs: vLLM's current field, and its older guided_* names.
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+
+    # OpenAI fields the engine does not have: refused when set.
+    _UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
+
+    def unsupported_fields(self) -> list[str]:
+        return [name for name in self._UNSUPPORTED if getattr(self, name, None) not in (None, [])]
+
+
+class JsonSchema(_Strict):
+    name: str = "response"
+    description: Optional[str] = None
+    # `schema` shadows a pydantic BaseModel attribute, hence the alias.
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+
+_SamplingFields.model_rebuild()
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+    _UNSUPPORTED = ("suffix",)
+
+
+class ContentPart(_Strict):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[Any]] = None
+    tool_call_id: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    # vLLM's chat extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # OpenAI fields without an engine behind them.
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[Any] = None
+    reasoning_effort: Optional[str] = None
+    web_search_options: Optional[Any] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+
+    _UNSUPPORTED = (
+        "tools",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "audio",
+        "modalities",
+        "prediction",
+        "reasoning_effort",
+        "web_search_options",
+        "metadata",
+        "service_tier",
+    )
+
+    def unsupported_fields(self) -> list[str]:
+        found = super().unsupported_fields()
+        if self.tool_choice not in (None, "none"):
+            found.append("tool_choice")
+        if self.store:
+            found.append("store")
+        return found
+
+
+class TokenizeRequest(_Strict):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]

@@ -1,0 +1,653 @@
+"""The OpenAI endpoints' work: request bodies -> engine requests -> OpenAI responses.
+
+`OpenAIServing` turns a validated body into SamplingParams and token prompts (checking what
+the engine would otherwise clip or reject later: context length, logprob counts, structured
+output specs), runs the requests on AsyncLLM and shapes the answers as OpenAI's API does,
+whole or as server-sent events. A request whose client goes away is aborted in the core at
+once. Errors are `ServingError`s, which the app turns into OpenAI error bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.frontend.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
+from tokenmill.protocol.messages import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+
+# JSON has no -inf: vLLM sends this floor instead.
+_MIN_LOGPROB = -9999.0
+# Fields of structured_outputs that modify a constraint rather than being one.
+_STRUCTURED_OPTIONS = ("disable_any_whitespace",)
+
+
+class ServingError(Exception):
+    """A request the server refuses: an OpenAI error body with this status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+    @property
+    def type(self) -> str:
+        return {
+            400: "BadRequestError",
+            401: "AuthenticationError",
+            404: "NotFoundError",
+            503: "ServiceUnavailableError",
+        }.get(self.status, "InternalServerError")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n"
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.model_config.max_model_len
+        self.max_logprobs = engine.model_config.max_logprobs
+
+    # -------------------------------------------------------------------- checks
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ServingError(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                404,
+                "model",
+            )
+
+    def check_supported(self, body: _SamplingFields) -> None:
+        for name in body.unsupported_fields():
+            what = " (function calling)" if "tool" in name or "function" in name else ""
+            raise ServingError(f"{name} is not supported by this server{what}", 400, name)
+        if body.n < 1:
+            raise ServingError(f"n must be at least 1, got {body.n}", 400, "n")
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        if num_prompt_tokens >= self.max_model_len or (
+            max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len
+        ):
+            asked = num_prompt_tokens + (max_tokens or 0)
+            raise ServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {asked} tokens ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens or 0} in the completion). Please reduce the length of the prompt "
+                "or completion.",
+                400,
+                "messages" if max_tokens is None else "max_tokens",
+            )
+
+    def sampling_params(
+        self,
+        body: _SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+    ) -> SamplingParams:
+        """SamplingParams from a body; a bad value is a 400 naming its field."""
+        if max_tokens is not None and max_tokens < 1:
+            raise ServingError(
+                f"max_tokens must be at least 1, got {max_tokens}", 400, "max_tokens"
+            )
+        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and (k < 0 or (self.max_logprobs != -1 and k > self.max_logprobs)):
+                raise ServingError(
+                    f"{name} must be between 0 and {self.max_logprobs}, got {k}", 400, name
+                )
+        fields: dict[str, Any] = {
+            "n": body.n,
+            "seed": body.seed,
+            "max_tokens": max_tokens,
+            "min_tokens": body.min_tokens,
+            "stop": body.stop,
+            "stop_token_ids": body.stop_token_ids,
+            "ignore_eos": body.ignore_eos,
+            "include_stop_str_in_output": body.include_stop_str_in_output,
+            "skip_special_tokens": body.skip_special_tokens,
+            "spaces_between_special_tokens": body.spaces_between_special_tokens,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "logit_bias": body.logit_bias,
+            "allowed_token_ids": body.allowed_token_ids,
+            "bad_words": body.bad_words,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "structured_outputs": self._structured(body),
+            "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(body, name)
+            if value is not None:
+                fields[name] = value
+        if body.logit_bias is not None:
+            bad = [k for k in body.logit_bias if not k.lstrip("-").isdigit()]
+            if bad:
+                raise ServingError(
+                    f"logit_bias keys must be token ids, got {bad[:4]}", 400, "logit_bias"
+                )
+        try:
+            return SamplingParams(**fields)
+        except (ValueError, TypeError) as e:
+            message = str(e)
+            param = message.split(" ", 1)[0].strip("`'\":")
+            raise ServingError(message, 400, param if param in fields else None) from None
+
+    def _structured(self, body: _SamplingFields) -> StructuredOutputsParams | None:
+        specs: list[tuple[str, dict[str, Any]]] = []
+        fmt = body.response_format
+        if fmt is not None and fmt.type == "json_object":
+            specs.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
+            if schema is None:
+                raise ServingError(
+                    "response_format of type json_schema needs json_schema.schema",
+                    400,
+                    "response_format",
+                )
+            specs.append(("response_format", {"json": schema}))
+        # structured_outputs may carry only options, for a constraint given another way.
+        options: dict[str, Any] = {}
+        if body.structured_outputs is not None:
+            spec = dict(body.structured_outputs)
+            options = {k: spec.pop(k) for k in _STRUCTURED_OPTIONS if k in spec}
+            if spec:
+                specs.append(("structured_outputs", spec))
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(body, name)
+            if value is not None:
+                specs.append((name, {key: value}))
+        if not specs:
+            if options:
+                raise ServingError(
+                    f"structured_outputs holds options {sorted(options)} but no constraint",
+                    400,
+                    "structured_outputs",
+                )
+            return None
+        if len(specs) > 1:
+            names = [name for name, _ in specs]
+            raise ServingError(f"give one structured output constraint, got {names}", 400)
+        name, spec = specs[0]
+        try:
+            return StructuredOutputsParams(**spec, **options)
+        except (ValueError, TypeError) as e:
+            raise ServingError(f"{name}: {e}", 400, name) from None
+
+    # ------------------------------------------------------------------ running
+    async def _generate(
+        self, prompts: list[dict[str, Any]], params: SamplingParams, request_id: str, priority: int
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every prompt's request, as (prompt index, output), interleaved."""
+        streams = [
+            self.engine.generate(p, params, f"{request_id}-{i}", priority)
+            for i, p in enumerate(prompts)
+        ]
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def drain(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+                queue.put_nowait(done)
+            except BaseException as e:
+                queue.put_nowait(e)
+                raise
+
+        tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # their streams abort their requests
+
+    async def _abort_on_disconnect(self, raw: Request, request_ids: list[str]) -> None:
+        """Waits for the client to go away, then aborts its requests in the core."""
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+        for request_id in request_ids:
+            await self.engine.abort(request_id)
+
+    async def _collect(
+        self,
+        raw: Request,
+        prompts: list[dict[str, Any]],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+    ) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        watcher = asyncio.ensure_future(
+            self._abort_on_disconnect(raw, [f"{request_id}-{i}" for i in range(len(prompts))])
+        )
+        try:
+            async for i, out in self._generate(prompts, params, request_id, priority):
+                results[i] = out
+        except asyncio.CancelledError:
+            if watcher.done():  # the client is gone: nobody to answer
+                raise ServingError("the client disconnected", 499) from None
+            raise
+        finally:
+            watcher.cancel()
+        for out in results:
+            assert out is not None
+            if out.error is not None:
+                raise ServingError(out.error, 400)
+        return results  # type: ignore[return-value]
+
+    async def _stream(
+        self,
+        raw: Request,
+        prompts: list[dict[str, Any]],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        chunks: Any,
+    ) -> AsyncIterator[str]:
+        """Server-sent events: what `chunks` makes of each output, then usage (if asked)
+        and `data: [DONE]`. An error after the stream began is sent as an error event."""
+        watcher = asyncio.ensure_future(
+            self._abort_on_disconnect(raw, [f"{request_id}-{i}" for i in range(len(prompts))])
+        )
+        try:
+            async for event in chunks(self._generate(prompts, params, request_id, priority)):
+                yield sse(event)
+        except asyncio.CancelledError:
+            if not watcher.done():
+                raise
+            return  # the client went away: its requests are aborted
+        except ServingError as e:
+            yield sse(e.body())
+        except Exception as e:
+            yield sse(ServingError(f"{type(e).__name__}: {e}", 500).body())
+        finally:
+            watcher.cancel()
+        yield sse("[DONE]")
+
+    # --------------------------------------------------------------- completions
+    async def completions(self, body: CompletionRequest, raw: Request) -> Any:
+        self.check_model(body.model)
+        self.check_supported(body)
+        if body.best_of not in (None, 1, body.n):
+            raise ServingError(
+                f"best_of must equal n (only n samples are drawn), got {body.best_of}",
+                400,
+                "best_of",
+            )
+        prompts = await self._completion_prompts(body)
+        for prompt in prompts:
+            self.check_length(len(prompt["prompt_token_ids"]), body.max_tokens)
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_logprobs = body.logprobs
+        params = self.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        head = {"id": request_id, "created": created, "model": self.model_name}
+        if body.stream:
+            return self._stream(
+                raw,
+                prompts,
+                params,
+                request_id,
+                body.priority,
+                lambda outputs: self._completion_chunks(body, prompts, head, outputs),
+            )
+        results = await self._collect(raw, prompts, params, request_id, body.priority)
+        choices = []
+        completion_tokens = 0
+        for i, out in enumerate(results):
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                text, logprobs = c.text, None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(out, c, body.logprobs, body.echo, 0)
+                if body.echo:
+                    text = (out.prompt or "") + text
+                choice = {
+                    "index": i * body.n + c.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if body.return_token_ids:
+                    choice["prompt_token_ids"] = out.prompt_token_ids
+                    choice["token_ids"] = c.token_ids
+                choices.append(choice)
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        return {
+            **head,
+            "object": "text_completion",
+            "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    async def _completion_prompts(self, body: CompletionRequest) -> list[dict[str, Any]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            texts: list[str] = [prompt]
+        elif prompt and all(isinstance(p, str) for p in prompt):
+            texts = list(prompt)  # type: ignore[arg-type]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            return [{"prompt_token_ids": list(prompt)}]  # type: ignore[arg-type]
+        elif prompt and all(isinstance(p, list) for p in prompt):
+            return [{"prompt_token_ids": list(p)} for p in prompt]  # type: ignore[union-attr]
+        else:
+            raise ServingError("prompt must not be empty", 400, "prompt")
+        prompts = []
+        for text in texts:
+            prompts.append(await self.engine.encode_prompt(text, body.add_special_tokens))
+        for prompt_dict in prompts:
+            if not prompt_dict["prompt_token_ids"]:
+                raise ServingError("prompt must not be empty", 400, "prompt")
+        return prompts
+
+    async def _completion_chunks(
+        self,
+        body: CompletionRequest,
+        prompts: list[dict[str, Any]],
+        head: dict[str, Any],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[dict[str, Any]]:
+        completion_tokens = 0
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        async for i, out in outputs:
+            if out.error is not None:
+                raise ServingError(out.error, 400)
+            for c in out.outputs:
+                index = i * body.n + c.index
+                completion_tokens += len(c.token_ids)
+                text, logprobs = c.text, None
+                echo = body.echo and index not in started
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(
+                        out, c, body.logprobs, echo, offsets.get(index, 0)
+                    )
+                if echo:
+                    text = (out.prompt or "") + text
+                offsets[index] = offsets.get(index, 0) + len(text)
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if body.return_token_ids:
+                    if index not in started:
+                        choice["prompt_token_ids"] = out.prompt_token_ids
+                    choice["token_ids"] = c.token_ids
+                started.add(index)
+                yield {**head, "object": "text_completion", "choices": [choice]}
+        if body.stream_options is not None and body.stream_options.include_usage:
+            prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+            yield {
+                **head,
+                "object": "text_completion",
+                "choices": [],
+                "usage": _usage(prompt_tokens, completion_tokens),
+            }
+
+    def _completion_logprobs(
+        self, out: RequestOutput, c: CompletionOutput, k: int, echo: bool, offset: int
+    ) -> dict[str, Any]:
+        """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
+        (with echo, the prompt's positions first; its first token has no logprob)."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        positions: list[tuple[int, dict[int, Logprob] | None]] = []
+        if echo:
+            prompt_logprobs = out.prompt_logprobs or [None]
+            positions.extend(zip(out.prompt_token_ids, prompt_logprobs))
+        positions.extend(zip(c.token_ids, c.logprobs or []))
+        for token_id, entry in positions:
+            if entry is None:
+                tokens.append(self._token_text(token_id))
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            chosen = entry[token_id]
+            tokens.append(chosen.decoded_token or "")
+            token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
+            top.append(
+                {
+                    (lp.decoded_token or ""): max(lp.logprob, _MIN_LOGPROB)
+                    for t, lp in entry.items()
+                    if t == token_id or (lp.rank is not None and lp.rank <= k)
+                }
+            )
+        text_offset = []
+        for token in tokens:
+            text_offset.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": text_offset,
+        }
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode([token_id])
+
+    # -------------------------------------------------------------------- chat
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        self.check_model(body.model)
+        self.check_supported(body)
+        messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ServingError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+        try:
+            prompt = await self.engine.encode_chat(
+                messages,
+                body.chat_template,
+                body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message,
+                **(body.chat_template_kwargs or {}),
+            )
+        except ServingError:
+            raise
+        except Exception as e:  # a template that cannot render these messages
+            raise ServingError(f"the chat template failed: {e}", 400, "messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        self.check_length(len(prompt["prompt_token_ids"]), max_tokens)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            return self._stream(
+                raw,
+                [prompt],
+                params,
+                request_id,
+                body.priority,
+                lambda outputs: self._chat_chunks(body, prompt, head, outputs),
+            )
+        (out,) = await self._collect(raw, [prompt], params, request_id, body.priority)
+        choices = []
+        for c in out.outputs:
+            choice = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._chat_logprobs(c, body.top_logprobs or 0)
+                if body.logprobs
+                else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        response = {
+            **head,
+            "object": "chat.completion",
+            "choices": choices,
+            "usage": _usage(len(out.prompt_token_ids), completion_tokens),
+        }
+        if body.return_token_ids:
+            response["prompt_token_ids"] = out.prompt_token_ids
+        return response
+
+    async def _chat_chunks(
+        self,
+        body: ChatCompletionRequest,
+        prompt: dict[str, Any],
+        head: dict[str, Any],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[dict[str, Any]]:
+        head = {**head, "object": "chat.completion.chunk"}
+        for i in range(body.n):  # first, each choice's role (as OpenAI streams it)
+            first = {
+                **head,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            if body.return_token_ids:
+                first["prompt_token_ids"] = prompt["prompt_token_ids"]
+            yield first
+        completion_tokens = 0
+        async for _, out in outputs:
+            if out.error is not None:
+                raise ServingError(out.error, 400)
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                choice = {
+                    "index": c.index,
+                    "delta": delta,
+                    "logprobs": self._chat_logprobs(c, body.top_logprobs or 0)
+                    if body.logprobs
+                    else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if body.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                yield {**head, "choices": [choice]}
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield {
+                **head,
+                "choices": [],
+                "usage": _usage(len(prompt["prompt_token_ids"]), completion_tokens),
+            }
+
+    def _chat_logprobs(self, c: CompletionOutput, k: int) -> dict[str, Any]:
+        content = []
+        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+            chosen = entry[token_id]
+            ranked = sorted(
+                (lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
+                key=lambda lp: lp.rank or 0,
+            )
+            content.append(
+                {
+                    **_token_logprob(chosen),
+                    "top_logprobs": [_token_logprob(lp) for lp in ranked[:k]],
+                }
+            )
+        return {"content": content}
+
+
+def _token_logprob(lp: Logprob) -> dict[str, Any]:
+    token = lp.decoded_token or ""
+    return {
+        "token": token,
+        "logprob": max(lp.logprob, _MIN_LOGPROB),
+        "bytes": list(token.encode("utf-8")),
+    }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _message_dict(message: Any, index: int) -> dict[str, Any]:
+    """A chat message as the template expects it: text content only."""
+    if message.role == "tool" or message.tool_calls or message.tool_call_id:
+        raise ServingError(
+            "tool messages and tool calls are not supported by this server (function calling)",
+            400,
+            f"messages[{index}]",
+        )
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise ServingError(
+                    f"messages[{index}].content holds a part of type {part.type!r}; only text "
+                    "parts are supported",
+                    400,
+                    f"messages[{index}].content",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    result = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        result["name"] = message.name
+    return result
