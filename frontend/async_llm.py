@@ -174,8 +174,9 @@ class AsyncLLM:
     def start(self) -> None:
         """Starts taking the core's outputs on the running loop (generate() does it too), so
         that a core's death is noticed without any request in flight."""
-        if self._handler is None:
-            self._handler = asyncio.get_running_loop().create_task(
+        loop = asyncio.get_running_loop()
+        if self._handler is None or self._handler.get_loop() is not loop:
+            self._handler = loop.create_task(
                 _output_handler(weakref.ref(self), self.client), name="async-llm-outputs"
             )
 

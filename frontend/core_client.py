@@ -460,17 +460,22 @@ class AsyncMPClient(MPClient):
         self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self.utility_futures: dict[int, asyncio.Future] = {}
         self.tasks: list[asyncio.Task] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
         super().__init__(config, engine_address, auth_token, asyncio_mode=True)
 
     def _ensure_started(self) -> None:
-        """Starts the receiving and heartbeat tasks on the running loop (once)."""
-        if self.outputs is not None:
+        """Starts the receiving and heartbeat tasks on the running loop (again if the
+        client is used from a new loop: `asyncio.run` twice)."""
+        loop = asyncio.get_running_loop()
+        if self.loop is loop:
             return
+        for task in self.tasks:
+            task.cancel()
+        self.loop = loop
         self.outputs = asyncio.Queue()
         if self.dead is not None:
             self.outputs.put_nowait(EngineDeadError(self.dead))
             return
-        loop = asyncio.get_running_loop()
         self.tasks = [
             loop.create_task(self._receive_loop(), name="async-mp-client-receive"),
             loop.create_task(self._heartbeat_loop(), name="async-mp-client-heartbeat"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hmac
 import ipaddress
 import logging
@@ -64,6 +65,11 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        # Everything made so far (the tokenizer, the app, imported modules) lives as long as
+        # the server: out of the collector's sight, a full collection no longer stalls the
+        # loop for a fifth of a second under load.
+        gc.collect()
+        gc.freeze()
         probe = asyncio.ensure_future(_probe_loop_lag(stat_logger)) if stat_logger else None
         yield
         if probe is not None:
