@@ -231,7 +231,11 @@ class EngineCoreProc:
             self._hello(identity, payload)
             return
         if identity not in self.clients or self.core is None:
+            # A client this core dropped (it went quiet) must not wait for ever on requests
+            # that are never run: tell it, as its core's death.
             logger.warning("dropped a %r message from a client without a handshake", kind)
+            cause = "this client is not connected to the engine core (dropped or never admitted)"
+            self._send(identity, OutputType.ENGINE_DEAD, EngineDead(cause))
             return
         # Request ids are the clients' own: inside the core they are prefixed with the
         # client's identity, so that two clients may use the same id.

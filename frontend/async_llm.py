@@ -30,7 +30,12 @@ from tokenmill.frontend.llm_engine import make_processors
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs
-from tokenmill.protocol.messages import EngineCoreOutputs, SamplingParams, SchedulerStats
+from tokenmill.protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SamplingParams,
+    SchedulerStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,25 +89,47 @@ class AsyncLLM:
         return cls(stat_loggers=stat_loggers, **kwargs)
 
     # ------------------------------------------------------------------------ requests
-    async def generate(
+    async def process_inputs(
         self,
+        request_id: str,
         prompt: PromptType,
         sampling_params: SamplingParams,
+        priority: int = 0,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """The request for the core and its prompt text, tokenized and checked off the
+        loop; a bad prompt or parameter raises ValueError here, before anything is sent
+        (a server answers 400 before it starts a stream)."""
+        return await self._run_off_loop(
+            self.input_processor.process, request_id, prompt, sampling_params, priority
+        )
+
+    async def generate(
+        self,
+        prompt: PromptType | EngineCoreRequest,
+        sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        prompt_text: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs. `prompt` is a prompt, or a request made by
+        process_inputs() (then its own id, parameters and priority apply, and `prompt_text`
+        is the text shown in its outputs)."""
         self.start()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        arrival = time.monotonic()
+        if isinstance(prompt, EngineCoreRequest):
+            request, text = prompt, prompt_text
+            request_id = request.request_id
+        else:
+            if sampling_params is None:
+                raise TypeError("generate() needs sampling_params for a prompt")
+            request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+            request, text = await self.process_inputs(request_id, prompt, sampling_params, priority)
+            if self.dead is not None:  # died while the prompt was tokenized
+                raise EngineDeadError(str(self.dead))
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        arrival = time.monotonic()
-        request, text = await self._run_off_loop(
-            self.input_processor.process, request_id, prompt, sampling_params, priority
-        )
-        if self.dead is not None:  # died while the prompt was tokenized
-            raise EngineDeadError(str(self.dead))
         stream: Stream = asyncio.Queue()
         self.streams[request_id] = stream
         finished = False
@@ -132,6 +159,12 @@ class AsyncLLM:
             lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         )
         return {"prompt": text, "prompt_token_ids": ids}
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (off the loop)."""
+        if self.tokenizer is None:
+            raise ValueError("decoding needs a tokenizer (skip_tokenizer_init=True has none)")
+        return await self._run_off_loop(self.tokenizer.decode, token_ids)
 
     async def encode_chat(
         self,
@@ -190,9 +223,16 @@ class AsyncLLM:
             if start:
                 await asyncio.sleep(0)  # let the loop serve others between chunks
             chunk = items[start : start + OUTPUT_CHUNK_SIZE]
-            results, stopped = self.output_processor.process_outputs(chunk)
-            if stopped:
+            try:
+                results, stopped = self.output_processor.process_outputs(chunk)
+            except Exception as e:  # fail these requests, not every stream
+                logger.exception("could not process the engine core's outputs")
+                self._fail_requests([out.request_id for out in chunk], e)
+                continue
+            if stopped:  # ended here by a stop string: still running in the core
                 self.client.abort_requests(stopped)
+                for stat_logger in self.stat_loggers:
+                    stat_logger.on_finished(stopped)
             for result in results:
                 stream = self.streams.get(result.request_id)
                 if stream is not None:
@@ -202,6 +242,15 @@ class AsyncLLM:
         self.dead = error
         for stream in self.streams.values():
             stream.put_nowait(error)
+
+    def _fail_requests(self, core_ids: list[str], error: Exception) -> None:
+        parents = self.output_processor.parent_of
+        user_ids = {parents.get(core_id, core_id) for core_id in core_ids}
+        self._abort(list(user_ids))
+        for user_id in user_ids:
+            stream = self.streams.get(user_id)
+            if stream is not None:
+                stream.put_nowait(RuntimeError(f"processing the outputs failed: {error!r}"))
 
     # ---------------------------------------------------------------------- utilities
     @property
@@ -223,8 +272,12 @@ class AsyncLLM:
         return self.tokenizer
 
     def shutdown(self) -> None:
+        """Stops the engine core (a spawned one) and ends every open stream with
+        EngineDeadError."""
         if self._handler is not None:
             self._handler.cancel()
+        if self.dead is None:
+            self._fail_all(EngineDeadError("the engine was shut down"))
         self._finalizer()
 
 
@@ -242,10 +295,7 @@ async def _output_handler(engine_ref: weakref.ref[AsyncLLM], client: AsyncMPClie
         engine = engine_ref()
         if engine is None:
             return
-        try:
-            await engine._dispatch(outputs)
-        except Exception:  # one bad batch must not end every stream
-            logger.exception("could not process the engine core's outputs")
+        await engine._dispatch(outputs)
         del engine
 
 

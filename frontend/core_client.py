@@ -164,6 +164,9 @@ class MPClient:
         output_ctx = zmq.asyncio.Context.shadow(self.ctx.underlying) if asyncio_mode else self.ctx
         identity = os.urandom(8)
         self.input_socket = self.ctx.socket(zmq.DEALER)
+        # No send limit: a send must never block the caller (an event loop, say) while a
+        # stalled core is not yet known to be dead.
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)
         self.output_socket = output_ctx.socket(zmq.DEALER)
         for socket, address in (
             (self.input_socket, input_address),
@@ -175,6 +178,7 @@ class MPClient:
         # A daemon has no process handle to watch: a dropped connection is how it dies.
         self.monitor = self.output_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.encoder = Encoder()
+        self.send_lock = threading.Lock()  # a heartbeat or output thread sends too
         self.call_ids = itertools.count()
         self.dead: str | None = None
         self.stop_thread = threading.Event()
@@ -263,7 +267,8 @@ class MPClient:
             raise EngineDeadError(self.dead)
 
     def _send_raw(self, frames: list, flags: int = 0) -> None:
-        self.input_socket.send_multipart(frames, flags, copy=False)
+        with self.send_lock:
+            self.input_socket.send_multipart(frames, flags, copy=False)
 
     def _send(self, kind: bytes, payload: Any) -> None:
         self._send_raw([kind, *self.encoder.encode(payload)])
@@ -278,7 +283,7 @@ class MPClient:
 
     def shutdown(self) -> None:
         if self.dead is None:
-            self.dead = "the client was shut down"
+            self._die("the client was shut down")
         self._finalizer()
 
 
@@ -296,7 +301,6 @@ class SyncMPClient(MPClient, EngineCoreClient):
     ) -> None:
         self.reconnect = reconnect and engine_address is not None
         self.in_flight: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
-        self.send_lock = threading.Lock()  # the output thread sends too
         self.outputs: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
         self.utility_results: dict[int, queue.Queue[UtilityResult | BaseException]] = {}
         super().__init__(config, engine_address, auth_token)
@@ -313,10 +317,6 @@ class SyncMPClient(MPClient, EngineCoreClient):
         )
         self.threads.append(thread)
         thread.start()
-
-    def _send_raw(self, frames: list, flags: int = 0) -> None:
-        with self.send_lock:
-            super()._send_raw(frames, flags)
 
     def _receive_once(self) -> bool:
         """One turn of the output thread: waits up to 200 ms for a message from the core and
@@ -449,10 +449,12 @@ class SyncMPClient(MPClient, EngineCoreClient):
 
 
 class AsyncMPClient(MPClient):
-    """Talks to an engine core in another process from an asyncio event loop, with no thread
-    of its own: the loop reads the output socket (and its monitor) directly, and a task sends
-    the heartbeats and watches a spawned core's process. Sends are non-blocking socket writes
-    made on the loop's thread. Call shutdown() from the loop's thread."""
+    """Talks to an engine core in another process from an asyncio event loop: the loop reads
+    the output socket (and its monitor) itself, so no thread stands between a core's output
+    and the loop. Sends are non-blocking socket writes made on the loop's thread. One small
+    thread sends the heartbeats, so that a daemon keeps this client while no loop runs (between
+    two `asyncio.run` calls) or while the loop is busy. Call shutdown() from the loop's thread
+    (or with no loop running)."""
 
     def __init__(
         self, config: EngineConfig | None, engine_address: str | None = None, auth_token: str = ""
@@ -462,10 +464,18 @@ class AsyncMPClient(MPClient):
         self.tasks: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         super().__init__(config, engine_address, auth_token, asyncio_mode=True)
+        thread = threading.Thread(
+            target=_heartbeat_thread,
+            args=(weakref.ref(self), self.stop_thread),
+            daemon=True,
+            name="async-mp-client-heartbeat",
+        )
+        self.threads.append(thread)
+        thread.start()
 
     def _ensure_started(self) -> None:
-        """Starts the receiving and heartbeat tasks on the running loop (again if the
-        client is used from a new loop: `asyncio.run` twice)."""
+        """Starts the receiving and watching tasks on the running loop (again if the client
+        is used from a new loop: `asyncio.run` twice)."""
         loop = asyncio.get_running_loop()
         if self.loop is loop:
             return
@@ -477,9 +487,20 @@ class AsyncMPClient(MPClient):
             self.outputs.put_nowait(EngineDeadError(self.dead))
             return
         self.tasks = [
-            loop.create_task(self._receive_loop(), name="async-mp-client-receive"),
-            loop.create_task(self._heartbeat_loop(), name="async-mp-client-heartbeat"),
+            loop.create_task(self._guard(self._receive_loop()), name="async-mp-client-receive"),
+            loop.create_task(self._guard(self._watch_process()), name="async-mp-client-watch"),
         ]
+
+    async def _guard(self, loop_coro: Any) -> None:
+        """Runs one of the client's loops; if it fails, the client is dead (rather than its
+        callers waiting for ever on outputs that nobody receives)."""
+        try:
+            await loop_coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("the engine-core client failed")
+            self._die(f"the engine-core client failed: {type(e).__name__}: {e}")
 
     async def _receive_loop(self) -> None:
         poller = zmq.asyncio.Poller()
@@ -506,12 +527,9 @@ class AsyncMPClient(MPClient):
         elif message is not None:
             self.outputs.put_nowait(message)
 
-    async def _heartbeat_loop(self) -> None:
-        while self.dead is None:
-            self._heartbeat()
-            if self._process_died():
-                return
-            await asyncio.sleep(min(HEARTBEAT_INTERVAL_S, 0.5))
+    async def _watch_process(self) -> None:
+        while self.dead is None and not self._process_died():
+            await asyncio.sleep(0.5)
 
     def _die(self, reason: str) -> None:
         if self.dead is not None:
@@ -557,6 +575,15 @@ class AsyncMPClient(MPClient):
         for task in self.tasks:
             task.cancel()
         super().shutdown()
+
+
+def _heartbeat_thread(client_ref: weakref.ref[AsyncMPClient], stop: threading.Event) -> None:
+    while not stop.wait(HEARTBEAT_INTERVAL_S):
+        client = client_ref()
+        if client is None or client.dead is not None:
+            return
+        client._heartbeat()
+        del client
 
 
 def _utility_timeout(method: str, address: str, timeout: float) -> TimeoutError:

@@ -25,6 +25,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -40,6 +41,7 @@ class _RequestTimes:
 class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -83,6 +85,18 @@ class PrometheusStatLogger:
             "Time in the core's waiting queue before the first step.",
             _LATENCY_BUCKETS,
         )
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by reason (stop, length, abort, error).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", _TOKEN_BUCKETS
+        )
         self.loop_lag = histogram(
             "event_loop_lag_seconds",
             "How late the server's event loop woke a 10 ms timer (stalls).",
@@ -102,7 +116,16 @@ class PrometheusStatLogger:
 
     def on_abort(self, core_ids: list[str]) -> None:
         for core_id in core_ids:
-            self._requests.pop(core_id, None)
+            if self._requests.pop(core_id, None) is not None:
+                self.request_success.labels(self.model_name, "abort").inc()
+
+    def on_finished(self, core_ids: list[str]) -> None:
+        """Requests the frontend ended (a stop string): the core reports no finish."""
+        now = time.monotonic()
+        for core_id in core_ids:
+            times = self._requests.pop(core_id, None)
+            if times is not None:
+                self._record_finish(times, now, "stop")
 
     def on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()
@@ -126,9 +149,17 @@ class PrometheusStatLogger:
                 self.queue_time.observe(out.queue_time)
             if out.finished:
                 del self._requests[out.request_id]
-                self.e2e.observe(now - times.arrival)
-                if times.first_token is not None and times.num_tokens > 1:
-                    self.tpot.observe((now - times.first_token) / (times.num_tokens - 1))
+                self._record_finish(times, now, str(out.finish_reason))
+
+    def _record_finish(self, times: _RequestTimes, now: float, reason: str) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
+        if reason in ("error", "abort"):
+            return
+        self.e2e.observe(now - times.arrival)
+        self.request_prompt_tokens.observe(times.num_prompt_tokens)
+        self.request_generation_tokens.observe(times.num_tokens)
+        if times.first_token is not None and times.num_tokens > 1:
+            self.tpot.observe((now - times.first_token) / (times.num_tokens - 1))
 
     def on_loop_lag(self, seconds: float) -> None:
         self.loop_lag.observe(seconds)
@@ -150,4 +181,6 @@ class PrometheusStatLogger:
         ):
             if now > before:
                 counter.inc(now - before)
+            elif now < before:  # a restarted daemon counts from zero again
+                counter.inc(now)
         self._totals = stats

@@ -30,8 +30,16 @@ logger = logging.getLogger(__name__)
 def start_module(
     module: str, args: Sequence[str], config: Any, env: dict[str, str] | None = None
 ) -> subprocess.Popen:
-    """Runs `python -m module *args` with `config` JSON-encoded on its stdin."""
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, env=env)
+    """Runs `python -m module *args` with `config` JSON-encoded on its stdin, in a session of
+    its own: a signal meant for the parent's process group (Ctrl-C in a terminal, a service
+    manager's SIGTERM) reaches only the parent, which stops its children in order (a server
+    drains first). A child whose parent dies exits by itself (watch_parent)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdin=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
     assert proc.stdin is not None
     proc.stdin.write(msgspec.json.encode(config))
     proc.stdin.close()

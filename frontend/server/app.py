@@ -59,8 +59,9 @@ def build_app(
     model_name: str,
     api_key: str = "",
     stat_logger: PrometheusStatLogger | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, trust_request_chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -178,7 +179,7 @@ def build_app(
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise ServingError(f"tokens holds ids outside [0, {vocab}): {bad[:8]}", 400, "tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await engine.decode(body.tokens)}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -200,7 +201,8 @@ def _respond(result: Any) -> Response:
 
 def _authorized(request: Request, api_key: str) -> bool:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), api_key)
+    given = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, api_key.encode())
 
 
 def _validation_error(e: RequestValidationError) -> ServingError:
@@ -256,6 +258,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, seconds requests in flight get to finish",
     )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (rendered on the server)",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--disable-access-log", action="store_true", help="no log line per HTTP request"
@@ -292,20 +299,22 @@ def serve(args: argparse.Namespace) -> int:
     )
     stat_logger = PrometheusStatLogger(model_name)
     engine.stat_loggers.append(stat_logger)
-    app = build_app(engine, model_name, api_key, stat_logger)
+    app = build_app(engine, model_name, api_key, stat_logger, args.trust_request_chat_template)
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=int(args.shutdown_timeout),
+        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
         timeout_keep_alive=5,
         access_log=not args.disable_access_log,
     )
     server = uvicorn.Server(config)
-    # uvicorn re-raises the SIGTERM it handled once it has drained; by then the default
-    # action (dying at once) would skip the engine's shutdown below.
+    # uvicorn re-raises the SIGTERM (SIGINT) it handled once it has drained; by then the
+    # default action (dying at once, or a KeyboardInterrupt) would skip the engine's shutdown
+    # below and the exit code.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
     try:
         return asyncio.run(_serve(server, engine))
     finally:

@@ -102,7 +102,11 @@ class ContentPart(_Strict):
     text: Optional[str] = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(BaseModel):
+    # Histories replayed from other APIs carry fields such as refusal or annotations: the
+    # ones that matter are read, the rest ignored (as OpenAI and vLLM do).
+    model_config = ConfigDict(extra="ignore")
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None

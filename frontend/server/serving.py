@@ -11,25 +11,32 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import Request
 
 from tokenmill.frontend.async_llm import AsyncLLM
-from tokenmill.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.frontend.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from tokenmill.frontend.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
 )
 from tokenmill.protocol.messages import (
+    EngineCoreRequest,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
 )
+
+logger = logging.getLogger("tokenmill.server")
+
+# Every prompt's request for the core, and its text.
+Prepared = list[tuple[EngineCoreRequest, Optional[str]]]
 
 # JSON has no -inf: vLLM sends this floor instead.
 _MIN_LOGPROB = -9999.0
@@ -72,9 +79,12 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(
+        self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool = False
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.trust_request_chat_template = trust_request_chat_template
         self.max_model_len = engine.model_config.max_model_len
         self.max_logprobs = engine.model_config.max_logprobs
 
@@ -211,14 +221,24 @@ class OpenAIServing:
             raise ServingError(f"{name}: {e}", 400, name) from None
 
     # ------------------------------------------------------------------ running
-    async def _generate(
+    async def _prepare(
         self, prompts: list[dict[str, Any]], params: SamplingParams, request_id: str, priority: int
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    ) -> Prepared:
+        """Every prompt's request for the core, checked before any answer starts (so that a
+        bad prompt or parameter is a 400, also for a stream)."""
+        prepared = []
+        for i, prompt in enumerate(prompts):
+            try:
+                prepared.append(
+                    await self.engine.process_inputs(f"{request_id}-{i}", prompt, params, priority)
+                )
+            except (ValueError, TypeError) as e:
+                raise ServingError(str(e), 400, _param_named_in(str(e))) from None
+        return prepared
+
+    async def _generate(self, prepared: Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt's request, as (prompt index, output), interleaved."""
-        streams = [
-            self.engine.generate(p, params, f"{request_id}-{i}", priority)
-            for i, p in enumerate(prompts)
-        ]
+        streams = [self.engine.generate(req, prompt_text=text) for req, text in prepared]
         if len(streams) == 1:
             async for out in streams[0]:
                 yield 0, out
@@ -231,9 +251,8 @@ class OpenAIServing:
                 async for out in stream:
                     queue.put_nowait((i, out))
                 queue.put_nowait(done)
-            except BaseException as e:
+            except BaseException as e:  # handed to the reader, who raises it
                 queue.put_nowait(e)
-                raise
 
         tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
         try:
@@ -250,73 +269,66 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()  # their streams abort their requests
 
-    async def _abort_on_disconnect(self, raw: Request, request_ids: list[str]) -> None:
-        """Waits for the client to go away, then aborts its requests in the core."""
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-        for request_id in request_ids:
-            await self.engine.abort(request_id)
+    async def _collect(self, raw: Request, prepared: Prepared) -> list[RequestOutput]:
+        """Every request's final output. If the client goes away first, the work is
+        cancelled (its requests aborted in the core) and the client gets nothing."""
 
-    async def _collect(
-        self,
-        raw: Request,
-        prompts: list[dict[str, Any]],
-        params: SamplingParams,
-        request_id: str,
-        priority: int,
-    ) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        watcher = asyncio.ensure_future(
-            self._abort_on_disconnect(raw, [f"{request_id}-{i}" for i in range(len(prompts))])
-        )
-        try:
-            async for i, out in self._generate(prompts, params, request_id, priority):
+        async def gather() -> list[RequestOutput]:
+            results: list[RequestOutput | None] = [None] * len(prepared)
+            async for i, out in self._generate(prepared):
                 results[i] = out
+            return results  # type: ignore[return-value]
+
+        work = asyncio.ensure_future(gather())
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(raw, work))
+        try:
+            results = await work
         except asyncio.CancelledError:
-            if watcher.done():  # the client is gone: nobody to answer
+            if watcher.done() and not watcher.cancelled():
                 raise ServingError("the client disconnected", 499) from None
             raise
         finally:
             watcher.cancel()
         for out in results:
-            assert out is not None
             if out.error is not None:
                 raise ServingError(out.error, 400)
-        return results  # type: ignore[return-value]
+        return results
 
-    async def _stream(
-        self,
-        raw: Request,
-        prompts: list[dict[str, Any]],
-        params: SamplingParams,
-        request_id: str,
-        priority: int,
-        chunks: Any,
-    ) -> AsyncIterator[str]:
-        """Server-sent events: what `chunks` makes of each output, then usage (if asked)
-        and `data: [DONE]`. An error after the stream began is sent as an error event."""
-        watcher = asyncio.ensure_future(
-            self._abort_on_disconnect(raw, [f"{request_id}-{i}" for i in range(len(prompts))])
-        )
+    async def _stream(self, raw: Request, prepared: Prepared, chunks: Any) -> AsyncIterator[str]:
+        """Server-sent events: what `chunks` makes of the outputs, then `data: [DONE]`. An
+        error after the stream began is sent as an error event. A client that goes away has
+        its requests aborted in the core at once (not at the next token's failed send)."""
+        request_ids = [req.request_id for req, _ in prepared]
+        watcher = asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, request_ids))
         try:
-            async for event in chunks(self._generate(prompts, params, request_id, priority)):
+            async for event in chunks(self._generate(prepared)):
                 yield sse(event)
         except asyncio.CancelledError:
-            if not watcher.done():
-                raise
-            return  # the client went away: its requests are aborted
+            if watcher.done() and not watcher.cancelled():
+                return  # the client went away: its requests are aborted
+            raise
         except ServingError as e:
             yield sse(e.body())
         except Exception as e:
-            yield sse(ServingError(f"{type(e).__name__}: {e}", 500).body())
+            logger.exception("a stream failed")
+            status = 503 if self.engine.dead is not None else 500
+            yield sse(ServingError(f"{type(e).__name__}: {e}", status).body())
         finally:
             watcher.cancel()
         yield sse("[DONE]")
+
+    def _check_stream_options(self, body: _SamplingFields) -> bool:
+        """Whether every chunk carries usage so far (continuous_usage_stats)."""
+        if body.stream_options is not None and not body.stream:
+            raise ServingError("stream_options is only allowed with stream=true", 400)
+        options = body.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     # --------------------------------------------------------------- completions
     async def completions(self, body: CompletionRequest, raw: Request) -> Any:
         self.check_model(body.model)
         self.check_supported(body)
+        continuous_usage = self._check_stream_options(body)
         if body.best_of not in (None, 1, body.n):
             raise ServingError(
                 f"best_of must equal n (only n samples are drawn), got {body.best_of}",
@@ -326,23 +338,24 @@ class OpenAIServing:
         prompts = await self._completion_prompts(body)
         for prompt in prompts:
             self.check_length(len(prompt["prompt_token_ids"]), body.max_tokens)
+            if body.echo and prompt.get("prompt") is None:  # echo a token prompt as text
+                prompt["prompt"] = await self.engine.decode(prompt["prompt_token_ids"])
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:
-            prompt_logprobs = body.logprobs
+            prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
         params = self.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        head = {"id": request_id, "created": created, "model": self.model_name}
+        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        prepared = await self._prepare(prompts, params, request_id, body.priority)
         if body.stream:
             return self._stream(
                 raw,
-                prompts,
-                params,
-                request_id,
-                body.priority,
-                lambda outputs: self._completion_chunks(body, prompts, head, outputs),
+                prepared,
+                lambda outputs: self._completion_chunks(
+                    body, prepared, head, outputs, continuous_usage
+                ),  # fmt: skip
             )
-        results = await self._collect(raw, prompts, params, request_id, body.priority)
+        results = await self._collect(raw, prepared)
         choices = []
         completion_tokens = 0
         for i, out in enumerate(results):
@@ -350,7 +363,13 @@ class OpenAIServing:
                 completion_tokens += len(c.token_ids)
                 text, logprobs = c.text, None
                 if body.logprobs is not None:
-                    logprobs = self._completion_logprobs(out, c, body.logprobs, body.echo, 0)
+                    logprobs = self._completion_logprobs(
+                        out.prompt_token_ids if body.echo else [],
+                        out.prompt_logprobs,
+                        c,
+                        body.logprobs,
+                        0,
+                    )
                 if body.echo:
                     text = (out.prompt or "") + text
                 choice = {
@@ -360,11 +379,13 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
                 if body.return_token_ids:
                     choice["prompt_token_ids"] = out.prompt_token_ids
                     choice["token_ids"] = c.token_ids
                 choices.append(choice)
-        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        prompt_tokens = sum(len(req.prompt_token_ids) for req, _ in prepared)
         return {
             **head,
             "object": "text_completion",
@@ -380,7 +401,7 @@ class OpenAIServing:
             texts = list(prompt)  # type: ignore[arg-type]
         elif prompt and all(isinstance(p, int) for p in prompt):
             return [{"prompt_token_ids": list(prompt)}]  # type: ignore[arg-type]
-        elif prompt and all(isinstance(p, list) for p in prompt):
+        elif prompt and all(isinstance(p, list) and p for p in prompt):
             return [{"prompt_token_ids": list(p)} for p in prompt]  # type: ignore[union-attr]
         else:
             raise ServingError("prompt must not be empty", 400, "prompt")
@@ -395,24 +416,35 @@ class OpenAIServing:
     async def _completion_chunks(
         self,
         body: CompletionRequest,
-        prompts: list[dict[str, Any]],
+        prepared: Prepared,
         head: dict[str, Any],
         outputs: AsyncIterator[tuple[int, RequestOutput]],
+        continuous_usage: bool,
     ) -> AsyncIterator[dict[str, Any]]:
-        completion_tokens = 0
-        started: set[int] = set()
+        completion_tokens: dict[int, int] = {}  # per choice index
+        prompt_lps: dict[int, Any] = {}  # per prompt: they come with its first output only
         offsets: dict[int, int] = {}
         async for i, out in outputs:
             if out.error is not None:
                 raise ServingError(out.error, 400)
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
+            num_prompt_tokens = len(prepared[i][0].prompt_token_ids)
             for c in out.outputs:
                 index = i * body.n + c.index
-                completion_tokens += len(c.token_ids)
+                first = index not in completion_tokens
+                if not (c.text or c.token_ids or c.finish_reason or first):
+                    continue  # nothing new to show (vLLM sends no empty chunks)
+                completion_tokens[index] = completion_tokens.get(index, 0) + len(c.token_ids)
+                echo = body.echo and first
                 text, logprobs = c.text, None
-                echo = body.echo and index not in started
                 if body.logprobs is not None:
                     logprobs = self._completion_logprobs(
-                        out, c, body.logprobs, echo, offsets.get(index, 0)
+                        out.prompt_token_ids if echo else [],
+                        prompt_lps.get(i),
+                        c,
+                        body.logprobs,
+                        offsets.get(index, 0),
                     )
                 if echo:
                     text = (out.prompt or "") + text
@@ -424,33 +456,43 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
+                if first and body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps.get(i))
                 if body.return_token_ids:
-                    if index not in started:
+                    if first:
                         choice["prompt_token_ids"] = out.prompt_token_ids
                     choice["token_ids"] = c.token_ids
-                started.add(index)
-                yield {**head, "object": "text_completion", "choices": [choice]}
+                chunk = {**head, "object": "text_completion", "choices": [choice]}
+                if continuous_usage:
+                    chunk["usage"] = _usage(num_prompt_tokens, completion_tokens[index])
+                yield chunk
         if body.stream_options is not None and body.stream_options.include_usage:
-            prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+            prompt_tokens = sum(len(req.prompt_token_ids) for req, _ in prepared)
             yield {
                 **head,
                 "object": "text_completion",
                 "choices": [],
-                "usage": _usage(prompt_tokens, completion_tokens),
+                "usage": _usage(prompt_tokens, sum(completion_tokens.values())),
             }
 
     def _completion_logprobs(
-        self, out: RequestOutput, c: CompletionOutput, k: int, echo: bool, offset: int
+        self,
+        echoed_ids: list[int],
+        prompt_logprobs: PromptLogprobs | None,
+        c: CompletionOutput,
+        k: int,
+        offset: int,
     ) -> dict[str, Any]:
         """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
-        (with echo, the prompt's positions first; its first token has no logprob)."""
+        (echoed prompt positions first; the prompt's first token has no logprob)."""
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
         positions: list[tuple[int, dict[int, Logprob] | None]] = []
-        if echo:
-            prompt_logprobs = out.prompt_logprobs or [None]
-            positions.extend(zip(out.prompt_token_ids, prompt_logprobs))
+        if echoed_ids:
+            lps = list(prompt_logprobs or [None])
+            lps += [None] * (len(echoed_ids) - len(lps))
+            positions.extend(zip(echoed_ids, lps))
         positions.extend(zip(c.token_ids, c.logprobs or []))
         for token_id, entry in positions:
             if entry is None:
@@ -487,6 +529,14 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(body.model)
         self.check_supported(body)
+        continuous_usage = self._check_stream_options(body)
+        if body.chat_template is not None and not self.trust_request_chat_template:
+            raise ServingError(
+                "chat_template from a request is refused (start the server with "
+                "--trust-request-chat-template to allow it)",
+                400,
+                "chat_template",
+            )
         messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
         if body.top_logprobs is not None and not body.logprobs:
             raise ServingError("top_logprobs needs logprobs=true", 400, "top_logprobs")
@@ -498,8 +548,6 @@ class OpenAIServing:
                 continue_final_message=body.continue_final_message,
                 **(body.chat_template_kwargs or {}),
             )
-        except ServingError:
-            raise
         except Exception as e:  # a template that cannot render these messages
             raise ServingError(f"the chat template failed: {e}", 400, "messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -508,16 +556,14 @@ class OpenAIServing:
         params = self.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        prepared = await self._prepare([prompt], params, request_id, body.priority)
         if body.stream:
             return self._stream(
                 raw,
-                [prompt],
-                params,
-                request_id,
-                body.priority,
-                lambda outputs: self._chat_chunks(body, prompt, head, outputs),
+                prepared,
+                lambda outputs: self._chat_chunks(body, prepared, head, outputs, continuous_usage),
             )
-        (out,) = await self._collect(raw, [prompt], params, request_id, body.priority)
+        (out,) = await self._collect(raw, prepared)
         choices = []
         for c in out.outputs:
             choice = {
@@ -539,6 +585,8 @@ class OpenAIServing:
             "choices": choices,
             "usage": _usage(len(out.prompt_token_ids), completion_tokens),
         }
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
         if body.return_token_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
         return response
@@ -546,11 +594,14 @@ class OpenAIServing:
     async def _chat_chunks(
         self,
         body: ChatCompletionRequest,
-        prompt: dict[str, Any],
+        prepared: Prepared,
         head: dict[str, Any],
         outputs: AsyncIterator[tuple[int, RequestOutput]],
+        continuous_usage: bool,
     ) -> AsyncIterator[dict[str, Any]]:
         head = {**head, "object": "chat.completion.chunk"}
+        num_prompt_tokens = len(prepared[0][0].prompt_token_ids)
+        completion_tokens = [0] * body.n
         for i in range(body.n):  # first, each choice's role (as OpenAI streams it)
             first = {
                 **head,
@@ -564,14 +615,17 @@ class OpenAIServing:
                 ],
             }
             if body.return_token_ids:
-                first["prompt_token_ids"] = prompt["prompt_token_ids"]
+                first["prompt_token_ids"] = prepared[0][0].prompt_token_ids
+            if continuous_usage:
+                first["usage"] = _usage(num_prompt_tokens, 0)
             yield first
-        completion_tokens = 0
         async for _, out in outputs:
             if out.error is not None:
                 raise ServingError(out.error, 400)
             for c in out.outputs:
-                completion_tokens += len(c.token_ids)
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue  # nothing new to show
+                completion_tokens[c.index] += len(c.token_ids)
                 delta = {"content": c.text} if c.text or not c.finish_reason else {}
                 choice = {
                     "index": c.index,
@@ -584,12 +638,17 @@ class OpenAIServing:
                 }
                 if body.return_token_ids:
                     choice["token_ids"] = c.token_ids
-                yield {**head, "choices": [choice]}
+                chunk = {**head, "choices": [choice]}
+                if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    chunk["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
+                if continuous_usage:
+                    chunk["usage"] = _usage(num_prompt_tokens, completion_tokens[c.index])
+                yield chunk
         if body.stream_options is not None and body.stream_options.include_usage:
             yield {
                 **head,
                 "choices": [],
-                "usage": _usage(len(prompt["prompt_token_ids"]), completion_tokens),
+                "usage": _usage(num_prompt_tokens, sum(completion_tokens)),
             }
 
     def _chat_logprobs(self, c: CompletionOutput, k: int) -> dict[str, Any]:
@@ -607,6 +666,47 @@ class OpenAIServing:
                 }
             )
         return {"content": content}
+
+
+async def _cancel_on_disconnect(raw: Request, work: asyncio.Future) -> None:
+    """Waits for the client to go away, then cancels its work (which aborts its requests)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+    work.cancel()
+
+
+async def _abort_on_disconnect(raw: Request, engine: AsyncLLM, request_ids: list[str]) -> None:
+    """Waits for the client to go away, then aborts its requests in the core."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+    for request_id in request_ids:
+        await engine.abort(request_id)
+
+
+def _param_named_in(message: str) -> str | None:
+    """The field a ValueError's message begins with (`max_tokens must be ...`), if any."""
+    first = message.split(" ", 1)[0].strip("`'\":")
+    named = first.isidentifier() and ("_" in first or first in ("n", "seed", "stop"))
+    return first if named else None
+
+
+def _prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list | None:
+    """vLLM's shape: per prompt position, None or {token id: {logprob, rank, decoded_token}}."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {
+                "logprob": max(lp.logprob, _MIN_LOGPROB),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for t, lp in entry.items()
+        }
+        for entry in prompt_logprobs
+    ]
 
 
 def _token_logprob(lp: Logprob) -> dict[str, Any]:
@@ -646,7 +746,7 @@ def _message_dict(message: Any, index: int) -> dict[str, Any]:
                     f"messages[{index}].content",
                 )
             texts.append(part.text)
-        content = "".join(texts)
+        content = "\n".join(texts)  # as vLLM joins text parts
     result = {"role": message.role, "content": content or ""}
     if message.name is not None:
         result["name"] = message.name

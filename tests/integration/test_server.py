@@ -138,10 +138,13 @@ def test_streams_equal_whole_answers(client) -> None:
             max_tokens=MAX_TOKENS,
             temperature=0,
             stream=True,
-            stream_options={"include_usage": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
+    # continuous_usage_stats: every chunk counts the completion so far.
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
@@ -152,7 +155,8 @@ def test_n_and_seed_async(aclient_factory) -> None:
     async def main():
         client = aclient_factory()
         messages = [{"role": "user", "content": "Tell me a story."}]
-        kwargs = dict(model=MODEL, messages=messages, n=2, seed=7, max_tokens=16, temperature=1)
+        kwargs = dict(model=MODEL, messages=messages, n=2, seed=7, max_tokens=16, temperature=1,
+                      extra_body={"ignore_eos": True})  # fmt: skip
         first, second = await asyncio.gather(
             client.chat.completions.create(**kwargs),
             client.chat.completions.create(**kwargs),
@@ -224,6 +228,31 @@ def test_logprobs_as_llm_generate(client, smollm2_llm) -> None:
     assert echoed.choices[0].text.startswith("Hello there")
     assert echoed.choices[0].logprobs.token_logprobs[0] is None
     assert len(echoed.choices[0].logprobs.tokens) == echoed.usage.total_tokens
+
+    # Echo of a token prompt, streamed with n=2: each choice starts with the prompt's text and
+    # the prompt's logprobs (the first position has none).
+    tokenizer = smollm2_llm.get_tokenizer()
+    ids = tokenizer.encode("The sea is")
+    (scored,) = smollm2_llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0),
+        use_tqdm=False,
+    )
+    firsts: dict[int, object] = {}
+    for chunk in client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=3, n=2, temperature=1, seed=3, echo=True,
+        logprobs=1, stream=True,
+    ):  # fmt: skip
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice)
+    assert sorted(firsts) == [0, 1]
+    for choice in firsts.values():
+        assert choice.text.startswith(tokenizer.decode(ids))
+        lps = choice.logprobs.token_logprobs
+        assert lps[0] is None and len(lps) >= len(ids)
+        for position in range(1, len(ids)):
+            expected = scored.prompt_logprobs[position][ids[position]].logprob
+            assert lps[position] == pytest.approx(expected, abs=1e-4)
 
 
 def test_response_format_json_schema(client) -> None:
@@ -297,6 +326,7 @@ def test_closed_stream_is_aborted_in_the_core(server) -> None:
         "ignore_eos": True,
         "stream": True,
     }
+    generated_before = metric_values(server)["tokenmill:generation_tokens_total"]
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{server}/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -312,7 +342,8 @@ def test_closed_stream_is_aborted_in_the_core(server) -> None:
             break
         assert time.monotonic() - closed < 2.0, "the request still runs 2 s after the close"
         time.sleep(0.05)
-    assert values["tokenmill:generation_tokens_total"] > 0
+    # Stopped where it was, far from its 800 tokens.
+    assert 3 <= values["tokenmill:generation_tokens_total"] - generated_before < 400
     assert values["tokenmill:time_to_first_token_seconds_count"] > 0
     assert values["tokenmill:kv_cache_usage_perc"] >= 0.0
 
@@ -374,6 +405,10 @@ BAD_BODIES = [
     ({"prompt": "hi", "frobnicate": True}, 400, "frobnicate"),
     ({"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ({"prompt": [[1, 2], [99999999]]}, 400, "outside"),
+    ({"prompt": [[1, 2], [99999999]], "stream": True}, 400, "outside"),  # before the stream
+    ({"prompt": "hi", "logit_bias": {"99999999": 1}, "stream": True}, 400, "logit_bias"),
+    ({"prompt": [[]]}, 400, "prompt"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ]
 
 
@@ -395,6 +430,11 @@ def test_bad_bodies_get_clear_errors_and_the_server_goes_on(server, client) -> N
         json={"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
     )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "tools"
+    template = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"},
+    )
+    assert template.status_code == 400 and "trust-request-chat-template" in template.text
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=-5)
     with pytest.raises(openai.NotFoundError):
@@ -420,6 +460,11 @@ def test_api_key_and_sigterm_drain(smollm2_path) -> None:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base}/v1", api_key="bad", max_retries=0).models.list()
 
+        latin = httpx.get(
+            f"{base}/v1/models", headers={"Authorization": "Bearer caf\u00e9".encode("latin-1")}
+        )
+        assert latin.status_code == 401
+
         # SIGTERM while a stream runs: it finishes, then the server exits cleanly.
         body = {"model": MODEL, "prompt": "Once", "max_tokens": 40, "ignore_eos": True,
                 "stream": True}  # fmt: skip
@@ -434,6 +479,9 @@ def test_api_key_and_sigterm_drain(smollm2_path) -> None:
                 proc.send_signal(signal.SIGTERM)
                 rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
+        events = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
+        assert not [e for e in events if "error" in e], "the stream was cut, not drained"
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
 
 
