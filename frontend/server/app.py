@@ -315,7 +315,12 @@ def serve(args: argparse.Namespace) -> int:
     # below and the exit code.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
+    # uvicorn's choice of loop: uvloop where it is installed.
+    loop_factory = config.get_loop_factory()
     try:
+        if loop_factory is not None and sys.version_info >= (3, 11):
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                return runner.run(_serve(server, engine))
         return asyncio.run(_serve(server, engine))
     finally:
         engine.shutdown()
