@@ -234,8 +234,12 @@ class EngineCore:
         return True
 
     def reset_prefix_cache(self) -> bool:
-        self.scheduler.reset_prefix_cache()
-        return True
+        """Forgets the cached prefixes; False (with a warning, nothing cleared) while
+        requests are running, as vLLM refuses."""
+        if self.scheduler.reset_prefix_cache():
+            return True
+        logger.warning("reset_prefix_cache refused: some KV blocks are still in use")
+        return False
 
     def shutdown(self) -> None:
         self.structured.shutdown()
@@ -279,16 +283,28 @@ class _StepStats:
         stats = core.get_stats()
         queries = int(stats["prefix_cache_queries"]) - self.last_queries
         hits = int(stats["prefix_cache_hits"]) - self.last_hits
+        caching = core.scheduler.kv_cache_manager.enable_caching
         logger.info(
-            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, "
-            "KV usage %.1f%%, prefix cache hit rate %.1f%%",
-            self.prompt_tokens / elapsed,
-            self.generated_tokens / elapsed,
-            stats["num_running"],
-            stats["num_waiting"],
-            100 * stats["kv_cache_usage"],
-            100 * hits / queries if queries else 0.0,
+            "%s",
+            stats_line(
+                self.prompt_tokens / elapsed,
+                self.generated_tokens / elapsed,
+                stats,
+                None if not caching else hits / queries if queries else 0.0,
+            ),
         )
         self.last_log, self.prompt_tokens, self.generated_tokens = now, 0, 0
         self.last_queries += queries
         self.last_hits += hits
+
+
+def stats_line(
+    prompt_rate: float, generation_rate: float, stats: dict, hit_rate: float | None
+) -> str:
+    """The busy engine's periodic one-line summary; `hit_rate` None: prefix caching is off."""
+    cache = "prefix caching off" if hit_rate is None else f"prefix cache hit rate {hit_rate:.1%}"
+    return (
+        f"prompt {prompt_rate:.1f} tok/s, generation {generation_rate:.1f} tok/s, "
+        f"running {stats['num_running']}, waiting {stats['num_waiting']}, "
+        f"KV usage {stats['kv_cache_usage']:.1%}, {cache}"
+    )

@@ -154,6 +154,8 @@ class LLM:
         return self.llm_engine.get_stats()
 
     def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix. Refused (False, nothing cleared) while requests hold
+        KV blocks, as in vLLM."""
         return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:

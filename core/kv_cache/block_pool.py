@@ -3,7 +3,10 @@
 Owned by the KVCacheManager. Block 0 is the null block: never handed out, it is what padded
 block-table entries point at. Free blocks wait in a doubly-linked queue so that a block in the
 middle (a prefix-cache hit on a freed block) leaves it in O(1); new blocks come from the head,
-which holds the least recently freed ones.
+which holds the least recently freed ones. A freed block without a hash (a partial block, which
+can never be a prefix hit) goes to the head instead, so that it is reused before any cached
+prefix is evicted. The prefix cache maps a block hash to every block holding those tokens: two
+requests that computed the same block each leave a copy, and evicting one keeps the other.
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free_blocks += 1
+
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
         assert last is not None
@@ -82,8 +94,8 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # never freed, never handed out
         self.free_queue = FreeBlockQueue(self.blocks[1:])
-        # Prefix cache: hash of a full block -> the block holding those tokens.
-        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        # Prefix cache: hash of a full block -> the blocks holding those tokens, by id.
+        self.cached_blocks: dict[bytes, dict[int, KVCacheBlock]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,35 +124,48 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drops one reference from each block; blocks must be given in eviction order."""
+        """Drops one reference from each block; blocks must be given in eviction order.
+        Blocks without a hash go to the head of the free queue (reused first)."""
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt < 0:
                 raise AssertionError(f"{block} freed more often than it was allocated")
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
+        copies = self.cached_blocks.get(block_hash)
+        return None if copies is None else next(iter(copies.values()))
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Registers a full block under its prefix hash. If another block already holds that
-        prefix (two requests computed it in the same step), the first one stays the entry."""
+        """Registers a full block under its prefix hash, next to any other block that holds
+        the same tokens (two requests computed them in different steps)."""
         if block.block_hash is not None:
             return
-        if block_hash not in self.cached_blocks:
-            self.cached_blocks[block_hash] = block
-            block.block_hash = block_hash
+        self.cached_blocks.setdefault(block_hash, {})[block.block_id] = block
+        block.block_hash = block_hash
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix; blocks in use keep their contents, unshared."""
-        for block in self.cached_blocks.values():
-            block.block_hash = None
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix, only while no block is in use (a running request's
+        blocks would otherwise lose their hashes under it, as vLLM refuses too). False, with
+        nothing cleared, if some are."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for copies in self.cached_blocks.values():
+            for block in copies.values():
+                block.block_hash = None
         self.cached_blocks.clear()
+        return True
 
     def _evict_hash(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        if self.cached_blocks.get(block.block_hash) is block:
-            del self.cached_blocks[block.block_hash]
+        copies = self.cached_blocks.get(block.block_hash)
+        if copies is not None:
+            copies.pop(block.block_id, None)
+            if not copies:
+                del self.cached_blocks[block.block_hash]
         block.block_hash = None

@@ -49,6 +49,8 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        if not self.enable_caching:
+            return  # nothing was looked up
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
 
@@ -105,5 +107,6 @@ class KVCacheManager:
         # Tail blocks first: they are the least likely to be shared, so evict them first.
         self.block_pool.free_blocks(reversed(blocks))
 
-    def reset_prefix_cache(self) -> None:
-        self.block_pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """False (nothing cleared) while any request holds blocks."""
+        return self.block_pool.reset_prefix_cache()

@@ -77,8 +77,8 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(len(self.waiting) or self.running)
 
-    def reset_prefix_cache(self) -> None:
-        self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
 
     @property
     def num_running(self) -> int:

@@ -98,9 +98,12 @@ class KVCacheMachine(RuleBasedStateMachine):
     def hashes_point_at_matching_contents(self) -> None:
         pool = self.kv.block_pool
         seen: dict[bytes, tuple[int, ...]] = {}
-        for block_hash, block in pool.cached_blocks.items():
-            assert block.block_hash == block_hash
-            seen[block_hash] = self.contents[block.block_id]
+        for block_hash, copies in pool.cached_blocks.items():
+            assert copies, "an empty entry should have been removed"
+            for block_id, block in copies.items():
+                assert block.block_hash == block_hash and block.block_id == block_id
+                contents = self.contents[block.block_id]
+                assert seen.setdefault(block_hash, contents) == contents  # copies agree
         for request in self.live.values():
             for i, block_hash in enumerate(request.block_hashes):
                 if block_hash in seen:

@@ -73,6 +73,18 @@ def test_stats_count_preemptions_and_prefix_hits(tiny_model) -> None:
         assert llm.reset_prefix_cache()
         out = llm.generate(prompts[0], params, use_tqdm=False)
         assert out[0].num_cached_tokens == 0
+
+        # While a request holds blocks, the reset is refused and nothing is forgotten.
+        engine = llm.llm_engine
+        engine.add_request("running", prompts[1], params)
+        while llm.get_stats()["num_running"] == 0:
+            engine.step()
+        assert llm.reset_prefix_cache() is False
+        while engine.has_unfinished_requests():
+            engine.step()
+        again = llm.generate(prompts[1], params, use_tqdm=False)
+        assert again[0].num_cached_tokens == 48  # its prefix survived the refused reset
+        assert llm.reset_prefix_cache() is True
     finally:
         llm.shutdown()
 

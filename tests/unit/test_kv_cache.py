@@ -15,6 +15,8 @@ def test_free_queue_is_lru_and_removes_from_the_middle() -> None:
     assert pool.num_free_blocks == 5
     a = pool.get_new_blocks(3)
     assert [b.block_id for b in a] == [1, 2, 3]
+    for block in a:  # full blocks: freed, they queue by age (unhashed ones would go first)
+        pool.cache_full_block(block, bytes([block.block_id]))
     pool.free_blocks(reversed(a))  # freed tail first: 3, 2, 1 join the queue's end
     assert [b.block_id for b in pool.free_queue] == [4, 5, 3, 2, 1]
     pool.touch([pool.blocks[2]])  # a hit on a free block pulls it out of the middle
@@ -69,3 +71,42 @@ def test_too_little_memory_names_bytes_needed_and_available() -> None:
     # 512 tokens = 32 blocks, plus the null block: 33 * 4096 bytes.
     with pytest.raises(ValueError, match=r"needs 135168 bytes .* only 10000 bytes"):
         compute_kv_cache_sizing(specs, 10_000, CacheConfig(block_size=16), 512, 1024)
+
+
+# ------------------------------------------------------- vLLM V1's block-pool behaviours
+def test_freed_blocks_without_a_hash_are_reused_first() -> None:
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(3)  # 1, 2 full and hashed; 3 partial
+    pool.cache_full_block(a[0], b"h1")
+    pool.cache_full_block(a[1], b"h2")
+    pool.free_blocks(reversed(a))
+    # The partial block goes to the head; the hashed ones queue at the tail (LRU).
+    assert [b.block_id for b in pool.free_queue] == [3, 4, 5, 2, 1]
+    (first,) = pool.get_new_blocks(1)
+    assert first.block_id == 3
+    assert pool.get_cached_block(b"h1") is a[0] and pool.get_cached_block(b"h2") is a[1]
+
+
+def test_two_copies_of_a_block_stay_reachable_under_their_hash() -> None:
+    pool = BlockPool(6)
+    first, second = pool.get_new_blocks(2)
+    pool.cache_full_block(first, b"same")
+    pool.cache_full_block(second, b"same")  # another request computed the same tokens
+    assert second.block_hash == b"same"
+    assert set(pool.cached_blocks[b"same"]) == {first.block_id, second.block_id}
+    pool.free_blocks([first, second])  # queue: 3, 4, 5, first, second
+    # Evicting one copy (its block is handed out again) leaves the other as a hit.
+    assert [b.block_id for b in pool.get_new_blocks(4)][-1] == first.block_id
+    assert first.block_hash is None and pool.get_cached_block(b"same") is second
+    assert set(pool.cached_blocks[b"same"]) == {second.block_id}
+
+
+def test_reset_prefix_cache_refuses_while_blocks_are_in_use() -> None:
+    pool = BlockPool(5)
+    held = pool.get_new_blocks(2)
+    pool.cache_full_block(held[0], b"h")
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(b"h") is held[0] and held[0].block_hash == b"h"
+    pool.free_blocks(held)
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block(b"h") is None and held[0].block_hash is None

@@ -283,3 +283,34 @@ def test_reallocated_block_loses_its_hash() -> None:
     hashes = {b.block_hash for b in pool.blocks if b.block_hash is not None}
     assert hashes == set(pool.cached_blocks)
     assert a.status.finished
+
+
+def test_reset_prefix_cache_is_refused_while_requests_run() -> None:
+    s = make_scheduler(caching=True)
+    a = add(s, 10, max_tokens=3)
+    step(s)
+    assert s.reset_prefix_cache() is False
+    assert s.kv_cache_manager.block_pool.cached_blocks  # nothing cleared
+    while not a.status.finished:
+        step(s)
+    assert s.reset_prefix_cache() is True
+    assert not s.kv_cache_manager.block_pool.cached_blocks
+
+
+def test_without_prefix_caching_no_lookups_are_recorded() -> None:
+    from tokenmill.core.engine_core import stats_line
+
+    s = make_scheduler(caching=False)
+    add(s, 10)
+    add(s, 10, prompt=list(range(10, 20)))
+    step(s)
+    step(s)
+    kv = s.kv_cache_manager
+    assert kv.prefix_cache_queries == 0 and kv.prefix_cache_hits == 0
+    stats = {"num_running": 2, "num_waiting": 0, "kv_cache_usage": 0.25}
+    assert stats_line(10.0, 20.0, stats, None).endswith("prefix caching off")
+    assert stats_line(10.0, 20.0, stats, 0.5).endswith("prefix cache hit rate 50.0%")
+    cached = make_scheduler(caching=True)
+    add(cached, 10)
+    step(cached)
+    assert cached.kv_cache_manager.prefix_cache_queries == 10
