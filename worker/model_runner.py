@@ -24,7 +24,7 @@ from tokenmill.protocol.messages import LogprobsArrays
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
-from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
+from tokenmill.worker.attention.torch_backend import TorchAttentionBackend, cpu_decode_group_bytes
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.layers.custom_op import use_triton_layers
@@ -364,7 +364,7 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> Attent
     # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
     if device.type == "cuda":
         return TorchAttentionBackend(decode_group_bytes=None)
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(cpu_decode_group_bytes())
 
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -125,3 +125,24 @@ def test_reference_matches_dense_causal_attention() -> None:
         is_causal=True,
     ).transpose(0, 1)
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_cache_sizes_come_from_sysfs(tmp_path) -> None:
+    from tokenmill.worker.attention.torch_backend import cpu_cache_bytes
+
+    for index, (level, kind, size) in enumerate(
+        [
+            (1, "Data", "48K"),
+            (1, "Instruction", "32K"),
+            (2, "Unified", "1024K"),
+            (3, "Unified", "32M"),
+        ]
+    ):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        (folder / "level").write_text(f"{level}\n")
+        (folder / "type").write_text(f"{kind}\n")
+        (folder / "size").write_text(f"{size}\n")
+    assert cpu_cache_bytes(1, str(tmp_path)) == 48 << 10  # the data cache, not instructions
+    assert cpu_cache_bytes(2, str(tmp_path)) == 1 << 20
+    assert cpu_cache_bytes(3, str(tmp_path)) == 32 << 20

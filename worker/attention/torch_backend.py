@@ -22,13 +22,52 @@ import torch.nn.functional as F
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 
-# Bytes of K plus V one decode group may copy out of the cache on the CPU. Copying every
-# decode's context at once and then attending reads it from DRAM twice more (write, read
-# back); a group this small is still in L2 when SDPA reads it. Measured for SmolLM2 (24 KiB
-# blocks, 64 decodes of 150-384 tokens, 2 AVX-512 cores): 2 MiB groups take the decode
-# attention from 120-140 ms to 90-95 ms per step; 1 request per group is slower than
-# either (too few heads to keep both threads busy).
+# Bytes of K plus V one decode group may copy out of the cache on the CPU: by default the
+# L2 caches of the cores the step's threads run on (cpu_decode_group_bytes), this when the
+# machine does not say. Copying every decode's context at once and then attending reads it
+# from DRAM twice more (write, read back); a group this small is still in L2 when SDPA reads
+# it. Measured for SmolLM2 (24 KiB blocks, 64 decodes of 150-384 tokens, 2 AVX-512 cores):
+# 2 MiB groups take the decode attention from 120-140 ms to 90-95 ms per step; 1 request per
+# group is slower than either (too few heads to keep both threads busy).
 CPU_DECODE_GROUP_BYTES = 2 << 20
+_CACHE_DIR = "/sys/devices/system/cpu/cpu0/cache"
+
+
+def cpu_cache_bytes(level: int, cache_dir: str = _CACHE_DIR) -> int | None:
+    """The size of one core's data (or unified) cache at `level`, from sysfs, else from
+    sysconf; None where neither says."""
+    import os
+
+    try:
+        for index in sorted(os.listdir(cache_dir)):
+            path = os.path.join(cache_dir, index)
+            if not index.startswith("index"):
+                continue
+            with open(os.path.join(path, "level")) as f:
+                if int(f.read()) != level:
+                    continue
+            with open(os.path.join(path, "type")) as f:
+                if f.read().strip() not in ("Data", "Unified"):
+                    continue
+            with open(os.path.join(path, "size")) as f:
+                size = f.read().strip()
+            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    except (OSError, ValueError):
+        pass
+    name = {1: "SC_LEVEL1_DCACHE_SIZE", 2: "SC_LEVEL2_CACHE_SIZE", 3: "SC_LEVEL3_CACHE_SIZE"}
+    try:
+        value = os.sysconf(name[level])
+        return value if value > 0 else None
+    except (KeyError, ValueError, OSError):
+        return None
+
+
+def cpu_decode_group_bytes() -> int:
+    """One L2 per thread of the step (each thread copies and attends its share of a group),
+    CPU_DECODE_GROUP_BYTES where the L2 size is unknown."""
+    l2 = cpu_cache_bytes(2)
+    return CPU_DECODE_GROUP_BYTES if l2 is None else l2 * max(1, torch.get_num_threads())
 
 
 @dataclass
@@ -59,7 +98,8 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, decode_group_bytes: int | None = CPU_DECODE_GROUP_BYTES) -> None:
-        """decode_group_bytes: K+V bytes one decode group may copy (None: one group)."""
+        """decode_group_bytes: K+V bytes one decode group may copy (None: one group; the
+        CPU model runner passes cpu_decode_group_bytes())."""
         self.decode_group_bytes = decode_group_bytes
         # The most blocks one decode group may copy (None: no limit); set_block_bytes sets it.
         self.decode_group_blocks: int | None = None
