@@ -1,0 +1,136 @@
+"""Fake-model step benchmark: how much of a step is the engine's own CPU work.
+
+Runs the real EngineCore in this process (Scheduler, KV cache manager, ModelRunner with its
+input preparation, attention metadata, sampler over the model's full vocabulary, output
+building) with only the model swapped for one whose forward takes a set time without holding
+the GIL (a sleep, as the seed's §9 simulator fakes the model) and whose logits are a fixed
+random tensor. At 1, 64 and 256 running requests (decoding, prompts of 16 tokens) and forward
+times of 0.5, 2 and 10 ms it prints steps per second and the per-step split: schedule,
+prepare, forward, logits, sample, update, and output (encoding the step's EngineCoreOutputs as
+the engine-core process does before sending them).
+
+With every stage run in turn, a step takes about forward + CPU work; overlapping the CPU work
+with the forward (scheduling step N+1 while step N runs) would bring it to about
+max(forward, CPU work). "cpu/step" is the step's time outside the forward.
+
+    python scripts/bench_step_overlap.py [--requests 1 64 256] [--forward-ms 0.5 2 10]
+        [--temperature 1.0] [--seeded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+os.environ["TOKENMILL_STEP_TIMING"] = "1"  # the engine times its stages (read at start-up)
+
+import torch  # noqa: E402
+
+from tokenmill.core.engine_core import EngineCore  # noqa: E402
+from tokenmill.protocol.codec import Encoder  # noqa: E402
+from tokenmill.protocol.config import EngineArgs  # noqa: E402
+from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams  # noqa: E402
+
+CONFIG = Path(__file__).parent / "configs" / "smollm2-135m"
+STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output")
+
+
+class SleepingModel(torch.nn.Module):
+    """Stands in for the model: a forward that sleeps (releasing the GIL, as a GPU forward
+    leaves the CPU free) and logits from a fixed random tensor of the real vocabulary."""
+
+    def __init__(self, real: torch.nn.Module, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        self.forward_s = 0.0
+        self.hidden = torch.zeros(8192, hidden_size)
+        self.logits = torch.randn(512, vocab_size, generator=torch.Generator().manual_seed(0))
+        self.real = [real]  # kept (not as a submodule): its layers own the KV cache views
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.forward_s)
+        return self.hidden[: input_ids.shape[0]]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits[: hidden.shape[0]].clone()  # the sampler may change them in place
+
+
+def make_core(max_requests: int) -> tuple[EngineCore, SleepingModel]:
+    args = EngineArgs(
+        model=str(CONFIG),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+        max_num_seqs=max_requests,
+        max_num_batched_tokens=max(2048, 16 * max_requests),
+        kv_cache_memory_bytes=1 << 30,
+    )
+    core = EngineCore(args.create_engine_config())
+    runner = core.executor.worker.model_runner  # type: ignore[attr-defined]
+    model_config = core.config.model_config
+    fake = SleepingModel(runner.model, model_config.hidden_size, model_config.vocab_size)
+    runner.model = fake
+    return core, fake
+
+
+def measure(core: EngineCore, fake: SleepingModel, num_requests: int, forward_ms: float,
+            steps: int, params: SamplingParams) -> dict[str, float]:  # fmt: skip
+    """Per-step means over `steps` decode steps with `num_requests` running."""
+    for i in range(num_requests):
+        core.add_request(
+            EngineCoreRequest(f"r{forward_ms}-{i}", list(range(100 + i, 116 + i)), params, [], 0.0)
+        )
+    fake.forward_s = forward_ms / 1000
+    while core.scheduler.num_running < num_requests or core.scheduler.num_waiting:
+        core.step()  # admit everyone and finish their prompts
+    core.step()
+    encoder = Encoder()
+    before = dict(core.step_times)
+    output_s = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        outputs = core.step()
+        routed = time.perf_counter()
+        encoder.encode(outputs)
+        output_s += time.perf_counter() - routed
+    wall = time.perf_counter() - start
+    core.abort_requests([f"r{forward_ms}-{i}" for i in range(num_requests)])
+    core.step()
+    split = {s: (core.step_times.get(s, 0.0) - before.get(s, 0.0)) / steps for s in STAGES}
+    split["output"] = output_s / steps
+    split["step"] = wall / steps
+    return split
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--forward-ms", type=float, nargs="+", default=[0.5, 2.0, 10.0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    parser.add_argument("--seeded", action="store_true", help="every request has its own seed")
+    args = parser.parse_args()
+    params = SamplingParams(temperature=args.temperature, seed=0 if args.seeded else None,
+                            max_tokens=100_000, ignore_eos=True)  # fmt: skip
+    core, fake = make_core(max(args.requests))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, temperature "
+          f"{args.temperature}{', seeded' if args.seeded else ''}; ms per step")  # fmt: skip
+    header = ("requests", "forward", "steps/s", "step", "cpu/step", *STAGES)
+    print("| " + " | ".join(f"{h:>8}" for h in header) + " |")
+    print("|" + "|".join("-" * 10 for _ in header) + "|")
+    try:
+        for n in args.requests:
+            for ms in args.forward_ms:
+                s = measure(core, fake, n, ms, args.steps, params)
+                cpu = s["step"] - s["forward"]
+                row = (n, ms, 1 / s["step"], 1e3 * s["step"], 1e3 * cpu,
+                       *(1e3 * s[stage] for stage in STAGES))  # fmt: skip
+                print("| " + " | ".join(f"{v:>8.2f}" if isinstance(v, float) else f"{v:>8}"
+                                        for v in row) + " |")  # fmt: skip
+    finally:
+        core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
