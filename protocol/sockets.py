@@ -30,7 +30,11 @@ def split_address(address: str) -> tuple[str, str]:
 def is_loopback(address: str) -> bool:
     if not address.startswith("tcp://"):
         return True  # ipc
-    host = urlsplit(address).hostname or ""
+    return is_loopback_host(urlsplit(address).hostname or "")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a host name or address stays on this machine."""
     if host == "localhost":
         return True
     try:

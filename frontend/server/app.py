@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import gc
 import hmac
-import ipaddress
 import logging
 import os
 import signal
@@ -44,9 +43,12 @@ from tokenmill.frontend.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tokenmill.frontend.server.serving import OpenAIServing, ServingError, _message_dict
+from tokenmill.frontend.server.serving import ServingError, _message_dict
+from tokenmill.frontend.server.serving_chat import OpenAIServingChat
+from tokenmill.frontend.server.serving_completion import OpenAIServingCompletion
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import add_engine_args, engine_args_from
+from tokenmill.protocol.sockets import is_loopback_host
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -61,7 +63,8 @@ def build_app(
     stat_logger: PrometheusStatLogger | None = None,
     trust_request_chat_template: bool = False,
 ) -> FastAPI:
-    serving = OpenAIServing(engine, model_name, trust_request_chat_template)
+    completion = OpenAIServingCompletion(engine, model_name)
+    chat_serving = OpenAIServingChat(engine, model_name, trust_request_chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -145,15 +148,15 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return _respond(await serving.completions(body, raw))
+        return _respond(await completion.completions(body, raw))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
-        return _respond(await serving.chat(body, raw))
+        return _respond(await chat_serving.chat(body, raw))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        serving.check_model(body.model)
+        completion.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ServingError("give either prompt or messages", 400, "prompt")
         if body.messages is not None:
@@ -174,7 +177,7 @@ def build_app(
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        serving.check_model(body.model)
+        completion.check_model(body.model)
         vocab = engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -276,7 +279,7 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     api_key = args.api_key if args.api_key is not None else envs.TOKENMILL_API_KEY
-    if not _is_loopback(args.host) and not api_key:
+    if not is_loopback_host(args.host) and not api_key:
         sys.exit(
             f"tokenmill serve: refusing to listen on {args.host} without an API key "
             "(pass --api-key or set TOKENMILL_API_KEY, or bind 127.0.0.1)"
@@ -342,15 +345,6 @@ async def _exit_on_engine_death(server: Any, engine: AsyncLLM) -> None:
     await asyncio.sleep(0.5)  # open streams send their error events
     server.should_exit = True
     server.force_exit = True
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,10 +1,11 @@
-"""The OpenAI endpoints' work: request bodies -> engine requests -> OpenAI responses.
+"""What the OpenAI endpoints share: request bodies -> checked engine requests -> outputs.
 
-`OpenAIServing` turns a validated body into SamplingParams and token prompts (checking what
-the engine would otherwise clip or reject later: context length, logprob counts, structured
-output specs), runs the requests on AsyncLLM and shapes the answers as OpenAI's API does,
-whole or as server-sent events. A request whose client goes away is aborted in the core at
-once. Errors are `ServingError`s, which the app turns into OpenAI error bodies.
+`OpenAIServing` turns a validated body into SamplingParams (checking what the engine would
+otherwise clip or reject later: context length, logprob counts, structured output specs),
+prepares every prompt's request before any answer starts, and runs them on AsyncLLM, whole
+(`_collect`) or as server-sent events (`_stream`). A request whose client goes away is aborted
+in the core at once. Errors are `ServingError`s, which the app turns into OpenAI error
+bodies. The endpoints' own shapes live in serving_completion.py and serving_chat.py.
 """
 
 from __future__ import annotations
@@ -12,20 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 from fastapi import Request
 
 from tokenmill.frontend.async_llm import AsyncLLM
-from tokenmill.frontend.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from tokenmill.frontend.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    _SamplingFields,
-)
+from tokenmill.frontend.outputs import PromptLogprobs, RequestOutput
+from tokenmill.frontend.server.protocol import _SamplingFields
 from tokenmill.protocol.messages import (
     EngineCoreRequest,
     RequestOutputKind,
@@ -317,355 +312,12 @@ class OpenAIServing:
             watcher.cancel()
         yield sse("[DONE]")
 
-    def _check_stream_options(self, body: _SamplingFields) -> bool:
+    def check_stream_options(self, body: _SamplingFields) -> bool:
         """Whether every chunk carries usage so far (continuous_usage_stats)."""
         if body.stream_options is not None and not body.stream:
             raise ServingError("stream_options is only allowed with stream=true", 400)
         options = body.stream_options
         return options is not None and options.include_usage and options.continuous_usage_stats
-
-    # --------------------------------------------------------------- completions
-    async def completions(self, body: CompletionRequest, raw: Request) -> Any:
-        self.check_model(body.model)
-        self.check_supported(body)
-        continuous_usage = self._check_stream_options(body)
-        if body.best_of not in (None, 1, body.n):
-            raise ServingError(
-                f"best_of must equal n (only n samples are drawn), got {body.best_of}",
-                400,
-                "best_of",
-            )
-        prompts = await self._completion_prompts(body)
-        for prompt in prompts:
-            self.check_length(len(prompt["prompt_token_ids"]), body.max_tokens)
-            if body.echo and prompt.get("prompt") is None:  # echo a token prompt as text
-                prompt["prompt"] = await self.engine.decode(prompt["prompt_token_ids"])
-        prompt_logprobs = body.prompt_logprobs
-        if body.echo and body.logprobs is not None:
-            prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
-        params = self.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        prepared = await self._prepare(prompts, params, request_id, body.priority)
-        if body.stream:
-            return self._stream(
-                raw,
-                prepared,
-                lambda outputs: self._completion_chunks(
-                    body, prepared, head, outputs, continuous_usage
-                ),  # fmt: skip
-            )
-        results = await self._collect(raw, prepared)
-        choices = []
-        completion_tokens = 0
-        for i, out in enumerate(results):
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                text, logprobs = c.text, None
-                if body.logprobs is not None:
-                    logprobs = self._completion_logprobs(
-                        out.prompt_token_ids if body.echo else [],
-                        out.prompt_logprobs,
-                        c,
-                        body.logprobs,
-                        0,
-                    )
-                if body.echo:
-                    text = (out.prompt or "") + text
-                choice = {
-                    "index": i * body.n + c.index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                if body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
-                if body.return_token_ids:
-                    choice["prompt_token_ids"] = out.prompt_token_ids
-                    choice["token_ids"] = c.token_ids
-                choices.append(choice)
-        prompt_tokens = sum(len(req.prompt_token_ids) for req, _ in prepared)
-        return {
-            **head,
-            "object": "text_completion",
-            "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens),
-        }
-
-    async def _completion_prompts(self, body: CompletionRequest) -> list[dict[str, Any]]:
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            texts: list[str] = [prompt]
-        elif prompt and all(isinstance(p, str) for p in prompt):
-            texts = list(prompt)  # type: ignore[arg-type]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            return [{"prompt_token_ids": list(prompt)}]  # type: ignore[arg-type]
-        elif prompt and all(isinstance(p, list) and p for p in prompt):
-            return [{"prompt_token_ids": list(p)} for p in prompt]  # type: ignore[union-attr]
-        else:
-            raise ServingError("prompt must not be empty", 400, "prompt")
-        prompts = []
-        for text in texts:
-            prompts.append(await self.engine.encode_prompt(text, body.add_special_tokens))
-        for prompt_dict in prompts:
-            if not prompt_dict["prompt_token_ids"]:
-                raise ServingError("prompt must not be empty", 400, "prompt")
-        return prompts
-
-    async def _completion_chunks(
-        self,
-        body: CompletionRequest,
-        prepared: Prepared,
-        head: dict[str, Any],
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-        continuous_usage: bool,
-    ) -> AsyncIterator[dict[str, Any]]:
-        completion_tokens: dict[int, int] = {}  # per choice index
-        prompt_lps: dict[int, Any] = {}  # per prompt: they come with its first output only
-        offsets: dict[int, int] = {}
-        async for i, out in outputs:
-            if out.error is not None:
-                raise ServingError(out.error, 400)
-            if out.prompt_logprobs is not None:
-                prompt_lps[i] = out.prompt_logprobs
-            num_prompt_tokens = len(prepared[i][0].prompt_token_ids)
-            for c in out.outputs:
-                index = i * body.n + c.index
-                first = index not in completion_tokens
-                if not (c.text or c.token_ids or c.finish_reason or first):
-                    continue  # nothing new to show (vLLM sends no empty chunks)
-                completion_tokens[index] = completion_tokens.get(index, 0) + len(c.token_ids)
-                echo = body.echo and first
-                text, logprobs = c.text, None
-                if body.logprobs is not None:
-                    logprobs = self._completion_logprobs(
-                        out.prompt_token_ids if echo else [],
-                        prompt_lps.get(i),
-                        c,
-                        body.logprobs,
-                        offsets.get(index, 0),
-                    )
-                if echo:
-                    text = (out.prompt or "") + text
-                offsets[index] = offsets.get(index, 0) + len(text)
-                choice = {
-                    "index": index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                if first and body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps.get(i))
-                if body.return_token_ids:
-                    if first:
-                        choice["prompt_token_ids"] = out.prompt_token_ids
-                    choice["token_ids"] = c.token_ids
-                chunk = {**head, "object": "text_completion", "choices": [choice]}
-                if continuous_usage:
-                    chunk["usage"] = _usage(num_prompt_tokens, completion_tokens[index])
-                yield chunk
-        if body.stream_options is not None and body.stream_options.include_usage:
-            prompt_tokens = sum(len(req.prompt_token_ids) for req, _ in prepared)
-            yield {
-                **head,
-                "object": "text_completion",
-                "choices": [],
-                "usage": _usage(prompt_tokens, sum(completion_tokens.values())),
-            }
-
-    def _completion_logprobs(
-        self,
-        echoed_ids: list[int],
-        prompt_logprobs: PromptLogprobs | None,
-        c: CompletionOutput,
-        k: int,
-        offset: int,
-    ) -> dict[str, Any]:
-        """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
-        (echoed prompt positions first; the prompt's first token has no logprob)."""
-        tokens: list[str] = []
-        token_logprobs: list[float | None] = []
-        top: list[dict[str, float] | None] = []
-        positions: list[tuple[int, dict[int, Logprob] | None]] = []
-        if echoed_ids:
-            lps = list(prompt_logprobs or [None])
-            lps += [None] * (len(echoed_ids) - len(lps))
-            positions.extend(zip(echoed_ids, lps))
-        positions.extend(zip(c.token_ids, c.logprobs or []))
-        for token_id, entry in positions:
-            if entry is None:
-                tokens.append(self._token_text(token_id))
-                token_logprobs.append(None)
-                top.append(None)
-                continue
-            chosen = entry[token_id]
-            tokens.append(chosen.decoded_token or "")
-            token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
-            top.append(
-                {
-                    (lp.decoded_token or ""): max(lp.logprob, _MIN_LOGPROB)
-                    for t, lp in entry.items()
-                    if t == token_id or (lp.rank is not None and lp.rank <= k)
-                }
-            )
-        text_offset = []
-        for token in tokens:
-            text_offset.append(offset)
-            offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top,
-            "text_offset": text_offset,
-        }
-
-    def _token_text(self, token_id: int) -> str:
-        tokenizer = self.engine.tokenizer
-        return "" if tokenizer is None else tokenizer.decode([token_id])
-
-    # -------------------------------------------------------------------- chat
-    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
-        self.check_model(body.model)
-        self.check_supported(body)
-        continuous_usage = self._check_stream_options(body)
-        if body.chat_template is not None and not self.trust_request_chat_template:
-            raise ServingError(
-                "chat_template from a request is refused (start the server with "
-                "--trust-request-chat-template to allow it)",
-                400,
-                "chat_template",
-            )
-        messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
-        if body.top_logprobs is not None and not body.logprobs:
-            raise ServingError("top_logprobs needs logprobs=true", 400, "top_logprobs")
-        try:
-            prompt = await self.engine.encode_chat(
-                messages,
-                body.chat_template,
-                body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message,
-                **(body.chat_template_kwargs or {}),
-            )
-        except Exception as e:  # a template that cannot render these messages
-            raise ServingError(f"the chat template failed: {e}", 400, "messages") from None
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        self.check_length(len(prompt["prompt_token_ids"]), max_tokens)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        prepared = await self._prepare([prompt], params, request_id, body.priority)
-        if body.stream:
-            return self._stream(
-                raw,
-                prepared,
-                lambda outputs: self._chat_chunks(body, prepared, head, outputs, continuous_usage),
-            )
-        (out,) = await self._collect(raw, prepared)
-        choices = []
-        for c in out.outputs:
-            choice = {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c, body.top_logprobs or 0)
-                if body.logprobs
-                else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            if body.return_token_ids:
-                choice["token_ids"] = c.token_ids
-            choices.append(choice)
-        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        response = {
-            **head,
-            "object": "chat.completion",
-            "choices": choices,
-            "usage": _usage(len(out.prompt_token_ids), completion_tokens),
-        }
-        if body.prompt_logprobs is not None:
-            response["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
-        if body.return_token_ids:
-            response["prompt_token_ids"] = out.prompt_token_ids
-        return response
-
-    async def _chat_chunks(
-        self,
-        body: ChatCompletionRequest,
-        prepared: Prepared,
-        head: dict[str, Any],
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-        continuous_usage: bool,
-    ) -> AsyncIterator[dict[str, Any]]:
-        head = {**head, "object": "chat.completion.chunk"}
-        num_prompt_tokens = len(prepared[0][0].prompt_token_ids)
-        completion_tokens = [0] * body.n
-        for i in range(body.n):  # first, each choice's role (as OpenAI streams it)
-            first = {
-                **head,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            }
-            if body.return_token_ids:
-                first["prompt_token_ids"] = prepared[0][0].prompt_token_ids
-            if continuous_usage:
-                first["usage"] = _usage(num_prompt_tokens, 0)
-            yield first
-        async for _, out in outputs:
-            if out.error is not None:
-                raise ServingError(out.error, 400)
-            for c in out.outputs:
-                if not (c.text or c.token_ids or c.finish_reason):
-                    continue  # nothing new to show
-                completion_tokens[c.index] += len(c.token_ids)
-                delta = {"content": c.text} if c.text or not c.finish_reason else {}
-                choice = {
-                    "index": c.index,
-                    "delta": delta,
-                    "logprobs": self._chat_logprobs(c, body.top_logprobs or 0)
-                    if body.logprobs
-                    else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                if body.return_token_ids:
-                    choice["token_ids"] = c.token_ids
-                chunk = {**head, "choices": [choice]}
-                if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
-                    chunk["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
-                if continuous_usage:
-                    chunk["usage"] = _usage(num_prompt_tokens, completion_tokens[c.index])
-                yield chunk
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield {
-                **head,
-                "choices": [],
-                "usage": _usage(num_prompt_tokens, sum(completion_tokens)),
-            }
-
-    def _chat_logprobs(self, c: CompletionOutput, k: int) -> dict[str, Any]:
-        content = []
-        for token_id, entry in zip(c.token_ids, c.logprobs or []):
-            chosen = entry[token_id]
-            ranked = sorted(
-                (lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-                key=lambda lp: lp.rank or 0,
-            )
-            content.append(
-                {
-                    **_token_logprob(chosen),
-                    "top_logprobs": [_token_logprob(lp) for lp in ranked[:k]],
-                }
-            )
-        return {"content": content}
 
 
 async def _cancel_on_disconnect(raw: Request, work: asyncio.Future) -> None:
@@ -707,15 +359,6 @@ def _prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list | None
         }
         for entry in prompt_logprobs
     ]
-
-
-def _token_logprob(lp: Logprob) -> dict[str, Any]:
-    token = lp.decoded_token or ""
-    return {
-        "token": token,
-        "logprob": max(lp.logprob, _MIN_LOGPROB),
-        "bytes": list(token.encode("utf-8")),
-    }
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -1,0 +1,224 @@
+"""/v1/completions: prompts (text or token ids, one or many) -> OpenAI's text completions,
+whole or streamed, with echo and logprobs in OpenAI's completions format."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from tokenmill.frontend.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from tokenmill.frontend.server.protocol import CompletionRequest
+from tokenmill.frontend.server.serving import (
+    _MIN_LOGPROB,
+    OpenAIServing,
+    Prepared,
+    ServingError,
+    _prompt_logprobs_json,
+    _usage,
+)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def completions(self, body: CompletionRequest, raw: Request) -> Any:
+        self.check_model(body.model)
+        self.check_supported(body)
+        continuous_usage = self.check_stream_options(body)
+        if body.best_of not in (None, 1, body.n):
+            raise ServingError(
+                f"best_of must equal n (only n samples are drawn), got {body.best_of}",
+                400,
+                "best_of",
+            )
+        prompts = await self._completion_prompts(body)
+        for prompt in prompts:
+            self.check_length(len(prompt["prompt_token_ids"]), body.max_tokens)
+            if body.echo and prompt.get("prompt") is None:  # echo a token prompt as text
+                prompt["prompt"] = await self.engine.decode(prompt["prompt_token_ids"])
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
+        params = self.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        prepared = await self._prepare(prompts, params, request_id, body.priority)
+        if body.stream:
+            return self._stream(
+                raw,
+                prepared,
+                lambda outputs: self._completion_chunks(
+                    body, prepared, head, outputs, continuous_usage
+                ),  # fmt: skip
+            )
+        results = await self._collect(raw, prepared)
+        choices = []
+        completion_tokens = 0
+        for i, out in enumerate(results):
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                text, logprobs = c.text, None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(
+                        out.prompt_token_ids if body.echo else [],
+                        out.prompt_logprobs,
+                        c,
+                        body.logprobs,
+                        0,
+                    )
+                if body.echo:
+                    text = (out.prompt or "") + text
+                choice = {
+                    "index": i * body.n + c.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
+                if body.return_token_ids:
+                    choice["prompt_token_ids"] = out.prompt_token_ids
+                    choice["token_ids"] = c.token_ids
+                choices.append(choice)
+        prompt_tokens = sum(len(req.prompt_token_ids) for req, _ in prepared)
+        return {
+            **head,
+            "object": "text_completion",
+            "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    async def _completion_prompts(self, body: CompletionRequest) -> list[dict[str, Any]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            texts: list[str] = [prompt]
+        elif prompt and all(isinstance(p, str) for p in prompt):
+            texts = list(prompt)  # type: ignore[arg-type]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            return [{"prompt_token_ids": list(prompt)}]  # type: ignore[arg-type]
+        elif prompt and all(isinstance(p, list) and p for p in prompt):
+            return [{"prompt_token_ids": list(p)} for p in prompt]  # type: ignore[union-attr]
+        else:
+            raise ServingError("prompt must not be empty", 400, "prompt")
+        prompts = []
+        for text in texts:
+            prompts.append(await self.engine.encode_prompt(text, body.add_special_tokens))
+        for prompt_dict in prompts:
+            if not prompt_dict["prompt_token_ids"]:
+                raise ServingError("prompt must not be empty", 400, "prompt")
+        return prompts
+
+    async def _completion_chunks(
+        self,
+        body: CompletionRequest,
+        prepared: Prepared,
+        head: dict[str, Any],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        continuous_usage: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        completion_tokens: dict[int, int] = {}  # per choice index
+        prompt_lps: dict[int, Any] = {}  # per prompt: they come with its first output only
+        offsets: dict[int, int] = {}
+        async for i, out in outputs:
+            if out.error is not None:
+                raise ServingError(out.error, 400)
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
+            num_prompt_tokens = len(prepared[i][0].prompt_token_ids)
+            for c in out.outputs:
+                index = i * body.n + c.index
+                first = index not in completion_tokens
+                if not (c.text or c.token_ids or c.finish_reason or first):
+                    continue  # nothing new to show (vLLM sends no empty chunks)
+                completion_tokens[index] = completion_tokens.get(index, 0) + len(c.token_ids)
+                echo = body.echo and first
+                text, logprobs = c.text, None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(
+                        out.prompt_token_ids if echo else [],
+                        prompt_lps.get(i),
+                        c,
+                        body.logprobs,
+                        offsets.get(index, 0),
+                    )
+                if echo:
+                    text = (out.prompt or "") + text
+                offsets[index] = offsets.get(index, 0) + len(text)
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if first and body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps.get(i))
+                if body.return_token_ids:
+                    if first:
+                        choice["prompt_token_ids"] = out.prompt_token_ids
+                    choice["token_ids"] = c.token_ids
+                chunk = {**head, "object": "text_completion", "choices": [choice]}
+                if continuous_usage:
+                    chunk["usage"] = _usage(num_prompt_tokens, completion_tokens[index])
+                yield chunk
+        if body.stream_options is not None and body.stream_options.include_usage:
+            prompt_tokens = sum(len(req.prompt_token_ids) for req, _ in prepared)
+            yield {
+                **head,
+                "object": "text_completion",
+                "choices": [],
+                "usage": _usage(prompt_tokens, sum(completion_tokens.values())),
+            }
+
+    def _completion_logprobs(
+        self,
+        echoed_ids: list[int],
+        prompt_logprobs: PromptLogprobs | None,
+        c: CompletionOutput,
+        k: int,
+        offset: int,
+    ) -> dict[str, Any]:
+        """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
+        (echoed prompt positions first; the prompt's first token has no logprob)."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        positions: list[tuple[int, dict[int, Logprob] | None]] = []
+        if echoed_ids:
+            lps = list(prompt_logprobs or [None])
+            lps += [None] * (len(echoed_ids) - len(lps))
+            positions.extend(zip(echoed_ids, lps))
+        positions.extend(zip(c.token_ids, c.logprobs or []))
+        for token_id, entry in positions:
+            if entry is None:
+                tokens.append(self._token_text(token_id))
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            chosen = entry[token_id]
+            tokens.append(chosen.decoded_token or "")
+            token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
+            top.append(
+                {
+                    (lp.decoded_token or ""): max(lp.logprob, _MIN_LOGPROB)
+                    for t, lp in entry.items()
+                    if t == token_id or (lp.rank is not None and lp.rank <= k)
+                }
+            )
+        text_offset = []
+        for token in tokens:
+            text_offset.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": text_offset,
+        }
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode([token_id])
