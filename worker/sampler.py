@@ -80,22 +80,23 @@ class Sampler:
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs)
+        # The race argmax(p / q), q ~ Exp(1) = -log(U), taken as argmin(p / log U) in place.
+        log_u = torch.empty_like(probs)
         seeded = meta.generators
-        if len(seeded) < q.shape[0]:
-            _exponential(q, self.generator)
+        if len(seeded) < log_u.shape[0]:
+            _log_uniform(log_u, self.generator)
         for row, generator in seeded.items():
-            _exponential(q[row], generator)
-        sampled = (probs / q).argmax(dim=-1)
+            _log_uniform(log_u[row], generator)
+        sampled = probs.div_(log_u).argmin(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
 
-def _exponential(q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Fills q with Exp(1) draws as -log(U), U ~ Uniform[tiny, 1). On the CPU this is about 6x
-    faster than `exponential_` (which draws element by element: 45 ms for 64 x 49152 on two
-    cores, against 7 ms); a U of exactly 0 (one in 2^24) becomes the smallest normal float, so
-    q stays finite and that token merely loses the race."""
-    return q.uniform_(generator=generator).clamp_(min=torch.finfo(q.dtype).tiny).log_().neg_()
+def _log_uniform(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fills `out` with log(U), U ~ Uniform[tiny, 1): minus an Exp(1) draw, always < 0. On
+    the CPU this is about 6x faster than `exponential_` (which draws element by element: 45 ms
+    for 64 x 49152 on two cores, against 7 ms); a U of exactly 0 (one in 2^24) becomes the
+    smallest normal float, so the value stays finite and that token merely loses the race."""
+    return out.uniform_(generator=generator).clamp_(min=torch.finfo(out.dtype).tiny).log_()
 
 
 def apply_top_k_top_p(
