@@ -3,6 +3,7 @@ free ports, and finding (and waiting out) tokenmill processes."""
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import sys
@@ -66,18 +67,31 @@ def smollm2_prompts(tokenizer) -> list[list[int]]:
 
 
 def free_port_pair() -> int:
-    """A port p with p and p+1 free on loopback (the daemon's input and output sockets)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    """A port p with p and p+1 free on loopback (the daemon's input and output sockets).
+
+    Drawn below the kernel's ephemeral range: a client that connects (and retries) before
+    the daemon listens gets ephemeral source ports, and one of them could otherwise be the
+    very port the daemon is about to bind (a TCP self-connect), failing the bind."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low - 1)
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+            for candidate in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", candidate))
             return port
         except OSError:
             continue
     raise RuntimeError("no free port pair")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @contextmanager
