@@ -13,6 +13,8 @@ import logging
 import time
 from concurrent.futures import Future, wait
 
+import msgspec
+
 from tokenmill.core.executor.base import Executor
 from tokenmill.core.kv_cache.sizing import KVCacheSizing, compute_kv_cache_sizing
 from tokenmill.core.request import Request, RequestStatus
@@ -206,16 +208,10 @@ class EngineCore:
         )
 
     def get_stats(self) -> dict[str, float | int]:
-        scheduler = self.scheduler
-        kv = scheduler.kv_cache_manager
+        """The scheduler stats every output carries (make_stats; the prefix-cache figures
+        are token counts since start-up), plus the cache's size."""
         return {
-            "num_running": scheduler.num_running,
-            "num_waiting": scheduler.num_waiting,
-            "kv_cache_usage": kv.usage(),
-            "num_preemptions": scheduler.num_preemptions,
-            # Token counts over every admission since start-up.
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
+            **msgspec.structs.asdict(self.make_stats()),
             "num_blocks": self.kv_sizing.num_blocks,
             "block_size": self.kv_sizing.block_size,
             "max_model_len": self.config.model_config.max_model_len,

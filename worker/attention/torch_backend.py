@@ -13,6 +13,7 @@ The KV cache is zeroed when it is allocated, so padded reads never meet non-fini
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,8 +37,6 @@ _CACHE_DIR = "/sys/devices/system/cpu/cpu0/cache"
 def cpu_cache_bytes(level: int, cache_dir: str = _CACHE_DIR) -> int | None:
     """The size of one core's data (or unified) cache at `level`, from sysfs, else from
     sysconf; None where neither says."""
-    import os
-
     try:
         for index in sorted(os.listdir(cache_dir)):
             path = os.path.join(cache_dir, index)
