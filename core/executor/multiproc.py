@@ -46,8 +46,9 @@ logger = logging.getLogger(__name__)
 WORKER_STARTUP_TIMEOUT_S = 240.0  # loading a large model from disk on every rank
 _POLL_MS = 100  # how often a waiting caller checks for a dead worker
 _SEND_TIMEOUT_MS = 30_000  # a worker that leaves 1000 calls unread is not coming back
-# A rank's error waits this long for the other ranks' replies: when a peer died, the survivors'
-# collectives fail first (connection reset) and the death, noticed a moment later, is the cause.
+# A rank's error waits this long for a worker's death to be noticed: when a peer died, the
+# survivors' collectives fail first (connection reset) and the death, noticed a moment later,
+# is the cause. The peer may even have answered the call before it died.
 _FAILURE_GRACE_S = 1.0
 
 
@@ -194,9 +195,11 @@ class MultiprocExecutor(Executor):
                         self.calls.pop(call_id, None)
                     return
                 now = time.monotonic()
-                for call in self.calls.values():
+                for call_id, call in list(self.calls.items()):
                     if call.error is not None and now > call.failed_at + _FAILURE_GRACE_S:
                         self._fail(call, RuntimeError(call.error))
+                        if not call.waiting_for:  # every rank has answered: done with it
+                            del self.calls[call_id]
                 if deadline is not None and now > deadline:
                     raise TimeoutError(f"{future.method} got no reply from every worker in time")
                 self._receive(_POLL_MS)
@@ -227,7 +230,11 @@ class MultiprocExecutor(Executor):
                 call.results[reply.rank] = self._decoder(call.method).decode(frames)
             if not call.waiting_for:
                 # Every rank has answered (a failed call stays until then, so that the other
-                # ranks' answers to it are not mistaken for ranks out of step).
+                # ranks' answers to it are not mistaken for ranks out of step). A call that
+                # failed on some ranks only waits out the grace period (a peer may have died
+                # right after answering); one that failed on every rank fails now.
+                if call.error is not None and call.results:
+                    continue
                 del self.calls[reply.call_id]
                 if call.error is not None:
                     self._fail(call, RuntimeError(call.error))
