@@ -5,12 +5,19 @@ scheduler. `step()` runs one schedule -> execute -> update cycle and returns the
 the clients turn into RequestOutputs; a step that raises is logged with a summary of what it
 was running, then re-raised (the engine is dead). The InprocClient calls it directly; the
 engine-core process wraps it in a socket loop.
+
+With async scheduling (vLLM's batch queue of two) `step()` schedules and submits step N+1
+before it waits for step N, so that scheduling, bitmasks and the last step's update overlap
+the workers' forward; it returns step N's outputs (none on the call that starts the queue).
+A step whose structured-output requests still wait for a token in flight is submitted only
+after that step's update: its bitmask needs the grammar's state after that token.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, wait
 
 import msgspec
@@ -53,6 +60,9 @@ class EngineCore:
         self._compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
         self._grammar_req_ids: set[str] = set()  # live requests with a grammar
         self._rejected: list[EngineCoreOutput] = []
+        self.async_scheduling = self.config.scheduler_config.async_scheduling
+        # Steps submitted to the executor and not yet updated, oldest first (at most two).
+        self._batches: deque[tuple[SchedulerOutput, Future]] = deque()
         self._stats = _StepStats()
         # With TOKENMILL_STEP_TIMING: seconds per stage, summed over steps (see envs).
         self.step_timing = envs.TOKENMILL_STEP_TIMING
@@ -148,6 +158,7 @@ class EngineCore:
         return (
             bool(self._rejected)
             or bool(self._compiling)
+            or bool(self._batches)
             or self.scheduler.has_unfinished_requests()
         )
 
@@ -156,22 +167,82 @@ class EngineCore:
         if self._compiling:
             self._admit_compiled()
         rejected, self._rejected = self._rejected, []
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_requests() and not self._batches:
             if self._compiling and not rejected:  # nothing to run until a grammar is ready
                 _, future = next(iter(self._compiling.values()))
                 wait([future], timeout=_GRAMMAR_WAIT_S)
             return EngineCoreOutputs(
                 outputs=rejected, timestamp=time.monotonic(), scheduler_stats=self.make_stats()
             )
+        if self.async_scheduling:
+            outputs = self._step_overlapped()
+        else:
+            self._submit(self._schedule())
+            outputs = self._collect()
+        if outputs is None:
+            outputs = EngineCoreOutputs(timestamp=time.monotonic())
+        outputs.outputs.extend(rejected)
+        outputs.scheduler_stats = self.make_stats()
+        return outputs
+
+    def _step_overlapped(self) -> EngineCoreOutputs | None:
+        """Schedules and submits the next step, then updates the oldest one in flight once
+        two are (or once there is nothing new to run). None: nothing was updated."""
+        outputs = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self._schedule(bitmask=False)
+            if self._batches and self._waits_for_grammar_token(scheduler_output):
+                outputs = self._collect()
+            self._fill_bitmask(scheduler_output)
+            self._submit(scheduler_output)
+            if outputs is not None:
+                return outputs
+            if len(self._batches) < 2 and scheduler_output.total_num_scheduled_tokens:
+                return None  # the next call schedules while this step runs
+        return self._collect()
+
+    def _schedule(self, bitmask: bool = True) -> SchedulerOutput:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if bitmask:
+            self._fill_bitmask(scheduler_output)
+        if self.step_timing:
+            self.add_step_time("schedule", time.perf_counter() - start)
+        return scheduler_output
+
+    def _fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         if self._grammar_req_ids:
+            start = time.perf_counter()
             self.structured.fill_bitmask(
                 scheduler_output, self._grammar_req_ids, self.scheduler.requests
             )
-        scheduled = time.perf_counter()
+            if self.step_timing:
+                self.add_step_time("schedule", time.perf_counter() - start)
+
+    def _waits_for_grammar_token(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether a constrained request of this step still waits for its last token (its
+        second placeholder: one from the step in flight, one from this one)."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        requests = self.scheduler.requests
+        return any(
+            req_id in scheduled and requests[req_id].num_output_placeholders > 1
+            for req_id in self._grammar_req_ids
+        )
+
+    def _submit(self, scheduler_output: SchedulerOutput) -> None:
         try:
-            runner_output = self.executor.execute_model(scheduler_output)
+            future = self.executor.execute_model(scheduler_output, non_block=True)
+        except Exception:
+            logger.exception("the step failed; it ran %s", summarize(scheduler_output))
+            raise
+        self._batches.append((scheduler_output, future))
+
+    def _collect(self) -> EngineCoreOutputs:
+        """Waits for the oldest step in flight and applies its tokens."""
+        scheduler_output, future = self._batches.popleft()
+        start = time.perf_counter()
+        try:
+            runner_output = future.result()
         except Exception:
             logger.exception("the step failed; it ran %s", summarize(scheduler_output))
             raise
@@ -181,18 +252,17 @@ class EngineCore:
             for out in outputs.outputs:
                 if out.finished:
                     self._grammar_req_ids.discard(out.request_id)
-        outputs.outputs.extend(rejected)
         if self.step_timing:
             runner_times = runner_output.step_times or {}
-            self.add_step_time("schedule", scheduled - start)
             for stage, seconds in runner_times.items():
                 self.add_step_time(stage, seconds)
-            # Whatever the runner did not time: the executor's transport, mostly.
-            self.add_step_time("executor", executed - scheduled - sum(runner_times.values()))
+            if self.async_scheduling:  # how long the core waited for the workers
+                self.add_step_time("wait", executed - start)
+            else:  # whatever the runner did not time: the executor's transport, mostly
+                self.add_step_time("executor", executed - start - sum(runner_times.values()))
             self.add_step_time("update", time.perf_counter() - executed)
             self.num_timed_steps += 1
         self._stats.record(self, scheduler_output.total_num_scheduled_tokens, outputs)
-        outputs.scheduler_stats = self.make_stats()
         return outputs
 
     def make_stats(self) -> SchedulerStats:

@@ -57,6 +57,10 @@ class Request:
         self.output_token_ids: list[int] = []
         # Tokens whose K/V are in the cache (or scheduled to be written this step).
         self.num_computed_tokens = 0
+        # Tokens that scheduled steps will sample but that have not arrived yet (at most one
+        # per step in flight): counted as computed, and as the input of the next step, which
+        # the workers take from their own record of what they sampled.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.added_time = time.monotonic()
         self.queue_time: float | None = None  # seconds from added to first scheduled

@@ -106,6 +106,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap on one request's chunk
     policy: str = "fcfs"  # "fcfs" | "priority"
+    # Schedule step N+1 while step N runs (EngineCore keeps two steps in flight).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
@@ -202,6 +204,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool | None = None  # None: on with CUDA, off on the CPU (see README)
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -253,11 +256,23 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                async_scheduling=_async_scheduling(self, device),
             ),
             parallel_config=_parallel_config(self, model_config),
             device_config=_device_config(self, device),
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
         )
+
+
+def _async_scheduling(args: EngineArgs, device: str) -> bool:
+    """vLLM's default where it pays: a GPU step is short enough for the core's CPU work to
+    matter. On the CPU the forward dwarfs it, and the overlap costs a thread (measured in
+    scripts/bench_throughput.py --async-scheduling both)."""
+    if args.async_scheduling is None:
+        return device == "cuda"
+    _check(isinstance(args.async_scheduling, bool), "async_scheduling", args.async_scheduling,
+           "True, False or None")  # fmt: skip
+    return args.async_scheduling
 
 
 def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
@@ -418,7 +433,7 @@ def add_engine_args(parser: Any) -> None:
         hint = hints[f.name]
         members = typing.get_args(hint) or (hint,)
         lists = [m for m in members if typing.get_origin(m) is list]
-        if hint is bool:
+        if hint is bool or bool in members:  # bool | None: unset means the default
             parser.add_argument(flag, type=_parse_bool, default=f.default, metavar="BOOL")
         elif lists:  # list[int]: space-separated values
             (item,) = typing.get_args(lists[0])

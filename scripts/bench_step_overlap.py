@@ -9,12 +9,14 @@ times of 0.5, 2 and 10 ms it prints steps per second and the per-step split: sch
 prepare, forward, logits, sample, update, and output (encoding the step's EngineCoreOutputs as
 the engine-core process does before sending them).
 
-With every stage run in turn, a step takes about forward + CPU work; overlapping the CPU work
-with the forward (scheduling step N+1 while step N runs) would bring it to about
-max(forward, CPU work). "cpu/step" is the step's time outside the forward.
+With every stage run in turn, a step takes about forward + CPU work; async scheduling
+(scheduling step N+1 while step N runs, on the core's thread while the worker's thread runs
+the step) brings it towards max(forward, CPU work). "cpu/step" is the step's time outside
+the forward; "wait" is how long the core waited for the worker (async only). The worker's
+own stages (prepare, logits, sample) run in turn with its forward either way.
 
     python scripts/bench_step_overlap.py [--requests 1 64 256] [--forward-ms 0.5 2 10]
-        [--temperature 1.0] [--seeded]
+        [--temperature 1.0] [--seeded] [--async-scheduling off on]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tokenmill.protocol.config import EngineArgs  # noqa: E402
 from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams  # noqa: E402
 
 CONFIG = Path(__file__).parent / "configs" / "smollm2-135m"
-STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output")
+STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output", "wait")
 
 
 class SleepingModel(torch.nn.Module):
@@ -56,8 +58,9 @@ class SleepingModel(torch.nn.Module):
         return self.logits[: hidden.shape[0]].clone()  # the sampler may change them in place
 
 
-def make_core(max_requests: int) -> tuple[EngineCore, SleepingModel]:
+def make_core(max_requests: int, async_scheduling: bool) -> tuple[EngineCore, SleepingModel]:
     args = EngineArgs(
+        async_scheduling=async_scheduling,
         model=str(CONFIG),
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -96,7 +99,8 @@ def measure(core: EngineCore, fake: SleepingModel, num_requests: int, forward_ms
         output_s += time.perf_counter() - routed
     wall = time.perf_counter() - start
     core.abort_requests([f"r{forward_ms}-{i}" for i in range(num_requests)])
-    core.step()
+    while core.has_unfinished_requests():  # the steps still in flight
+        core.step()
     split = {s: (core.step_times.get(s, 0.0) - before.get(s, 0.0)) / steps for s in STAGES}
     split["output"] = output_s / steps
     split["step"] = wall / steps
@@ -110,26 +114,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     parser.add_argument("--seeded", action="store_true", help="every request has its own seed")
+    parser.add_argument("--async-scheduling", nargs="+", choices=["off", "on"],
+                        default=["off", "on"])  # fmt: skip
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, seed=0 if args.seeded else None,
                             max_tokens=100_000, ignore_eos=True)  # fmt: skip
-    core, fake = make_core(max(args.requests))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, temperature "
           f"{args.temperature}{', seeded' if args.seeded else ''}; ms per step")  # fmt: skip
-    header = ("requests", "forward", "steps/s", "step", "cpu/step", *STAGES)
+    header = ("async", "requests", "forward", "steps/s", "step", "cpu/step", *STAGES)
     print("| " + " | ".join(f"{h:>8}" for h in header) + " |")
     print("|" + "|".join("-" * 10 for _ in header) + "|")
-    try:
-        for n in args.requests:
-            for ms in args.forward_ms:
-                s = measure(core, fake, n, ms, args.steps, params)
-                cpu = s["step"] - s["forward"]
-                row = (n, ms, 1 / s["step"], 1e3 * s["step"], 1e3 * cpu,
-                       *(1e3 * s[stage] for stage in STAGES))  # fmt: skip
-                print("| " + " | ".join(f"{v:>8.2f}" if isinstance(v, float) else f"{v:>8}"
-                                        for v in row) + " |")  # fmt: skip
-    finally:
-        core.shutdown()
+    for mode in args.async_scheduling:
+        core, fake = make_core(max(args.requests), mode == "on")
+        try:
+            for n in args.requests:
+                for ms in args.forward_ms:
+                    s = measure(core, fake, n, ms, args.steps, params)
+                    cpu = s["step"] - s["forward"]
+                    row = (mode, n, ms, 1 / s["step"], 1e3 * s["step"], 1e3 * cpu,
+                           *(1e3 * s[stage] for stage in STAGES))  # fmt: skip
+                    print("| " + " | ".join(f"{v:>8.2f}" if isinstance(v, float) else f"{v:>8}"
+                                            for v in row) + " |")  # fmt: skip
+        finally:
+            core.shutdown()
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ tokens, so every rank returns the same outputs.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from tokenmill.core.executor.uniproc import UniProcExecutor
 
 
 class ExternalLauncherExecutor(UniProcExecutor):
-    def _init_executor(self) -> None:
+    def _make_worker(self) -> Any:
         from tokenmill.worker.worker import Worker
 
         env = _torchrun_env()
@@ -26,15 +27,16 @@ class ExternalLauncherExecutor(UniProcExecutor):
                 f"tensor_parallel_size={tp} must equal torchrun's WORLD_SIZE "
                 f"({env['WORLD_SIZE']}) with distributed_executor_backend='external_launcher'"
             )
-        self.worker = Worker(
+        worker = Worker(
             self.config,
             rank=env["RANK"],
             local_rank=env["LOCAL_RANK"],
             local_world_size=env["LOCAL_WORLD_SIZE"],
             distributed_init_method="env://",
         )
-        self.worker.init_device()
-        self.worker.load_model()
+        worker.init_device()
+        worker.load_model()
+        return worker
 
     def shutdown(self) -> None:
         from tokenmill.worker.parallel_state import destroy_distributed
@@ -47,9 +49,13 @@ class ExternalLauncherExecutor(UniProcExecutor):
         import torch
         import torch.distributed as dist
 
-        local = torch.tensor([self.worker.determine_available_memory()], device=self.worker.device)
-        dist.all_reduce(local, op=dist.ReduceOp.MIN)
-        return int(local.item())
+        def smallest() -> int:  # on the worker's thread, like every call to it
+            local = torch.tensor([self.worker.determine_available_memory()],
+                                 device=self.worker.device)  # fmt: skip
+            dist.all_reduce(local, op=dist.ReduceOp.MIN)
+            return int(local.item())
+
+        return self._run(smallest).result()
 
 
 def _torchrun_env() -> dict[str, int]:

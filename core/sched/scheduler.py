@@ -8,6 +8,12 @@ running request (the most recently admitted under FCFS, the lowest priority unde
 priority policy) is preempted: freed, re-queued, recomputed later, reusing whatever of its
 blocks is still cached. EngineCore calls `schedule()` then, with the workers' sampled tokens,
 `update_from_output()`, which applies stop conditions and builds `EngineCoreOutputs`.
+
+Under async scheduling the next `schedule()` comes before the last step's update: a request
+whose step samples holds a placeholder for that token (counted as computed, so its next step
+is one more token, which the workers fill in themselves) until the update brings it. Stop
+conditions apply when the real token arrives, so a request that stopped had one step too many
+scheduled, whose token is dropped. Steps are updated in the order they were scheduled.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import deque
 
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
@@ -53,6 +60,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # The requests of every step scheduled and not yet updated, oldest first: an update
+        # applies to these objects only (an id may be reused once its request finished).
+        self.in_flight: deque[dict[str, Request]] = deque()
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -107,6 +117,12 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
+        scheduled = {req_id: self.requests[req_id] for req_id in num_scheduled}
+        for request in scheduled.values():
+            # A step that reaches the end of the request's tokens samples the next one.
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+        self.in_flight.append(scheduled)
         return output
 
     def _schedule_running(
@@ -121,6 +137,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_output_placeholders and (
+                request.num_tokens + request.num_output_placeholders >= request.max_num_tokens
+            ):
+                i += 1  # the step in flight brings its last token (max_tokens): nothing to run
+                continue
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 i += 1
@@ -150,6 +171,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                break  # preempted while its step ran: it resumes once that token is in
             # A request asking for prompt logprobs computes its whole prompt (as in vLLM).
             owes_prompt_logprobs = (
                 request.sampling_params.prompt_logprobs is not None
@@ -200,7 +223,7 @@ class Scheduler:
         )
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = len(request.all_token_ids) - request.num_computed_tokens
+        num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
         if self.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return min(num_new, budget)
@@ -209,7 +232,10 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.prompt_logprob_parts = []  # recomputed from the start
+        if not request.num_output_placeholders:
+            # Recomputed from the start; unless the step in flight completes the prompt: its
+            # token is kept, and the prompt logprobs go out with it.
+            request.prompt_logprob_parts = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.requeue(request)
@@ -221,17 +247,24 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
-        running = RequestStatus.RUNNING
+        scheduled = self.in_flight.popleft()
         for req_id, part in runner_output.prompt_logprobs.items():
-            request = self.requests.get(req_id)
-            if request is not None and not request.prompt_logprobs_sent:
+            request = scheduled.get(req_id)
+            # A request preempted mid-prompt computes it (and these logprobs) again later.
+            if (
+                request is not None
+                and (request.status == RequestStatus.RUNNING or request.num_output_placeholders)
+                and not request.prompt_logprobs_sent
+            ):
                 request.prompt_logprob_parts.append(part)
         logprob_rows = {r: i for i, r in enumerate(runner_output.logprobs_req_ids)}
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            request = self.requests.get(req_id)
-            # Preempted or aborted while the step ran: its token is recomputed or moot.
-            if request is None or request.status != running or not token_ids:
+            request = scheduled.get(req_id)
+            # Finished (stopped, aborted) while the step ran: its token is moot. A request
+            # preempted meanwhile keeps its token, as in vLLM, and resumes after it.
+            if request is None or request.status.finished or not token_ids:
                 continue
+            request.num_output_placeholders -= len(token_ids)
             new_tokens = []
             finish_reason = None
             error = None
@@ -247,6 +280,8 @@ class Scheduler:
                     status = RequestStatus.FINISHED_ERROR
                 status = status or self._check_stop(request, token_id)
                 if status is not None:
+                    if request.status == RequestStatus.PREEMPTED:
+                        self.waiting.remove(request)
                     request.status = status
                     finish_reason = status.finish_reason
                     stopped.append(request)

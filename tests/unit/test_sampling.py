@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from tokenmill.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, first_arg
 
 
 @pytest.mark.parametrize(
@@ -144,3 +144,17 @@ def test_min_p_applies_before_top_p_as_in_vllm() -> None:
     meta = _meta(200, min_p=torch.full((200,), 0.5), top_p=torch.full((200,), 0.6))
     tokens = Sampler(torch.Generator().manual_seed(0))(logits, meta)
     assert tokens.unique().tolist() == [0]
+
+
+@pytest.mark.parametrize("vocab", [7, 2048, 49152, 50257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_arg_equals_torch_argmax_and_argmin(vocab: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(33, vocab, generator=g).to(dtype)
+    x[0, 0] = x[0, -1] = 50.0  # a tie across the first and the last chunk: the first wins
+    x[1, -1] = 50.0  # the maximum in the ragged last chunk
+    x[2, 1024:2048] = -50.0  # the minimum fills a whole chunk
+    ties = torch.randint(0, 3, (8, vocab), generator=g).to(dtype)  # ties everywhere
+    for t in (x, ties):
+        assert torch.equal(first_arg(t, largest=True), t.argmax(dim=-1))
+        assert torch.equal(first_arg(t, largest=False), t.argmin(dim=-1))

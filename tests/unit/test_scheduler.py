@@ -314,3 +314,71 @@ def test_without_prefix_caching_no_lookups_are_recorded() -> None:
     add(cached, 10)
     step(cached)
     assert cached.kv_cache_manager.prefix_cache_queries == 10
+
+
+def test_async_order_keeps_a_preempted_token_and_drops_work_past_a_stop() -> None:
+    """Async scheduling's call order: step N+1 is scheduled before step N's update."""
+    # 5 usable blocks of 4 tokens; two 8-token prompts fill 4 of them.
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = add(s, 8), add(s, 8)
+    out1 = s.schedule()
+    run1 = fake_run(s, out1, token=7)
+    assert (a.num_output_placeholders, b.num_output_placeholders) == (1, 1)
+    # Before step 1's tokens are in, each request's next step is the token it will sample.
+    out2 = s.schedule()
+    # Both need a 3rd block for it; one is free: b (admitted last) is preempted in flight.
+    assert out2.num_scheduled_tokens == {a.request_id: 1}
+    assert out2.scheduled_cached_reqs.num_computed_tokens == [8]
+    assert b.status == RequestStatus.PREEMPTED and out2.preempted_req_ids == [b.request_id]
+    run2 = fake_run(s, out2, token=EOS)
+    assert a.num_output_placeholders == 2 and a.num_computed_tokens == 9
+    outputs = s.update_from_output(out1, run1).outputs
+    # b keeps the token its step sampled before the preemption (vLLM's behaviour).
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [
+        (a.request_id, [7]),
+        (b.request_id, [7]),
+    ]
+    assert b.output_token_ids == [7] and b.num_output_placeholders == 0
+    assert b.status == RequestStatus.PREEMPTED and s.waiting.peek() is b
+    out3 = s.schedule()
+    assert out3.num_scheduled_tokens == {a.request_id: 1}  # b does not fit yet
+    run3 = fake_run(s, out3, token=9)
+    # Step 2 sampled EOS for a: it stops, though step 3 already runs it.
+    (stop,) = s.update_from_output(out2, run2).outputs
+    assert stop.finish_reason == FinishReason.STOP and a.output_token_ids == [7, EOS]
+    assert s.kv_cache_manager.get_block_ids(a.request_id) == []
+    out4 = s.schedule()
+    (resumed,) = out4.scheduled_new_reqs
+    assert resumed.req_id == b.request_id and resumed.output_token_ids == [7]
+    assert out4.finished_req_ids == [a.request_id]
+    run4 = fake_run(s, out4, token=11)
+    # Step 3's token for a is dropped: a has finished.
+    assert s.update_from_output(out3, run3).outputs == []
+    assert a.output_token_ids == [7, EOS]
+    (out,) = s.update_from_output(out4, run4).outputs
+    assert out.request_id == b.request_id and b.output_token_ids == [7, 11]
+
+
+def test_async_order_schedules_nothing_past_max_tokens_and_drops_aborted_tokens() -> None:
+    s = make_scheduler()
+    one, two, gone = add(s, 3, max_tokens=1), add(s, 3, max_tokens=2), add(s, 3)
+    out1 = s.schedule()
+    run1 = fake_run(s, out1)
+    out2 = s.schedule()
+    # `one` gets its only token from step 1: no step 2 for it; `two` still needs one more.
+    assert set(out2.num_scheduled_tokens) == {two.request_id, gone.request_id}
+    run2 = fake_run(s, out2)
+    s.finish_requests([gone.request_id], RequestStatus.FINISHED_ABORTED)
+    outputs = s.update_from_output(out1, run1).outputs
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [
+        (one.request_id, FinishReason.LENGTH),
+        (two.request_id, None),
+    ]
+    out3 = s.schedule()
+    assert out3.num_scheduled_tokens == {}  # `two`'s last token is in flight
+    assert set(out3.finished_req_ids) == {one.request_id, gone.request_id}
+    (last,) = s.update_from_output(out2, run2).outputs
+    assert last.request_id == two.request_id and last.finish_reason == FinishReason.LENGTH
+    assert gone.output_token_ids == [] and not s.has_unfinished_requests()
+    s.update_from_output(out3, fake_run(s, out3))
+    assert s.kv_cache_manager.num_free_blocks == 99
