@@ -28,6 +28,9 @@ alone needs minutes for all of W1 on a GPU). `--step-times` times every tokenmil
 stages (TOKENMILL_STEP_TIMING=1: the device is synchronized around each forward) and prints
 where the last round's time went, per step.
 
+`--async-scheduling off on` runs one engine per setting (alternating, like the rounds; the
+default is the engine's own choice for the device).
+
 `--tensor-parallel-size 1 2` runs one engine per size (alternating, like the rounds); at TP > 1
 the ranks are worker processes that split this machine's cores and its KV cache budget.
 Dummy weights are drawn per rank, so their tokens differ between sizes (the counts do not:
@@ -67,13 +70,16 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
     return Workload(prompts, output_lens)
 
 
-def start_tokenmill(args: argparse.Namespace, workload: Workload, multiprocess: bool, tp: int):
+def start_tokenmill(
+    args: argparse.Namespace, workload: Workload, multiprocess: bool, tp: int, overlap: str
+):
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(
         args.model,
         multiprocess=multiprocess,
         tensor_parallel_size=tp,
+        async_scheduling={"on": True, "off": False}.get(overlap),
         load_format=args.load_format,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -86,7 +92,8 @@ def start_tokenmill(args: argparse.Namespace, workload: Workload, multiprocess: 
     return llm
 
 
-STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output", "executor")
+STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output", "executor",
+          "wait")  # fmt: skip
 
 
 def run_tokenmill(llm, workload: Workload) -> float:
@@ -225,6 +232,13 @@ def main() -> None:
         help="one tokenmill engine per size given (worker processes at N > 1)",
     )
     parser.add_argument(
+        "--async-scheduling",
+        nargs="+",
+        choices=["default", "off", "on"],
+        default=["default"],
+        help="one tokenmill engine per setting given",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="alternating runs per engine; the best is reported"
     )
     parser.add_argument(
@@ -267,10 +281,17 @@ def main() -> None:
 
     modes = ["inproc", "mp"] if args.mode == "both" else [args.mode]
     sizes = args.tensor_parallel_size
-    engines_spec = [(mode, tp) for mode in modes for tp in sizes]
+    overlaps = args.async_scheduling
+    engines_spec = [(mode, tp, a) for mode in modes for tp in sizes for a in overlaps]
     names = [
-        f"tokenmill ({mode}, tp={tp})" if len(sizes) > 1 or tp > 1 else f"tokenmill ({mode})"
-        for mode, tp in engines_spec
+        "tokenmill ("
+        + ", ".join(
+            [mode]
+            + ([f"tp={tp}"] if len(sizes) > 1 or tp > 1 else [])
+            + ([f"async {a}"] if len(overlaps) > 1 else [])
+        )
+        + ")"
+        for mode, tp, a in engines_spec
     ]
     hf_model = None
     hf_workload = workload
@@ -283,7 +304,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in names}
     tokens = {name: sum(workload.output_lens) for name in names}
     tokens["hf transformers"] = sum(hf_workload.output_lens)
-    engines = [start_tokenmill(args, workload, mode == "mp", tp) for mode, tp in engines_spec]
+    engines = [start_tokenmill(args, workload, mode == "mp", tp, a) for mode, tp, a in engines_spec]
     splits: dict[str, tuple[dict[str, float], int]] = {}
     for _ in range(args.rounds):
         for llm, name in zip(engines, names):
@@ -317,7 +338,7 @@ def main() -> None:
     if args.rounds > 1:
         for name in names:
             print(f"{name} rounds (s): " + ", ".join(f"{t:.2f}" for t in times[name]))
-    if args.mode == "both" and len(sizes) == 1:
+    if args.mode == "both" and len(sizes) == 1 and len(overlaps) == 1:
         inproc, mp = best[names[0]], best[names[1]]
         print(f"multiprocess / in-process throughput: {inproc / mp:.3f}")
 

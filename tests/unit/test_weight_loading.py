@@ -112,3 +112,43 @@ def test_fewer_kv_heads_than_ranks_are_replicated(checkpoint, tp_rank) -> None:
         assert qkv.num_kv_heads == 1 and qkv.kv_replicas == 2
         qkv.weight.weight_loader(qkv.weight, open_tensor("k1", []), "k")
         assert torch.equal(qkv.weight[4:6], full["k1"])  # both ranks hold the one KV head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_matmul_weights_packed_for_onednn_compute_the_same(dtype: torch.dtype) -> None:
+    """Packed weights replace the plain ones (same shape) and give x @ W.T + b, checked in
+    float64; the LM head that shares the embedding's weight gets its own packed copy."""
+    from tokenmill.worker.layers.embedding import ParallelLMHead
+    from tokenmill.worker.layers.linear import ColumnParallelLinear, matmul, pack_cpu_weights
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    g = torch.Generator().manual_seed(0)
+    with torch.device("cpu"):
+        column = ColumnParallelLinear(96, 160, bias=True)
+        row = RowParallelLinear(160, 96)
+        embedding = VocabParallelEmbedding(300, 96)
+        head = ParallelLMHead(300, 96)
+    head.weight = embedding.weight  # tied
+    for param in (column.weight, column.bias, row.weight, embedding.weight):
+        param.data = torch.randn(param.shape, generator=g).to(dtype)
+    plain = {name: m.weight.detach().double() for name, m in
+             (("column", column), ("row", row), ("head", head))}  # fmt: skip
+    assert pack_cpu_weights([column, row, head]) == 3
+    assert column.weight.is_mkldnn and row.weight.is_mkldnn and head.weight.is_mkldnn
+    assert not embedding.weight.is_mkldnn  # the embedding still looks rows up
+    assert column.weight.shape == (160, 96) and head.weight.shape == (300, 96)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 rounds the output to 8 bits
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 96, generator=g).to(dtype)
+        y = column(x)
+        want = x.double() @ plain["column"].T + column.bias.double()
+        assert y.dtype == dtype and (y.double() - want).abs().max() < tol * want.abs().max()
+        h = torch.randn(rows, 160, generator=g).to(dtype)
+        want = h.double() @ plain["row"].T
+        assert (row(h).double() - want).abs().max() < tol * want.abs().max()
+        want = x.double() @ plain["head"].T
+        assert (head(x).double() - want).abs().max() < tol * want.abs().max()
+    # A plain weight still runs through F.linear.
+    w = torch.randn(5, 96, generator=g)
+    assert torch.allclose(matmul(torch.ones(2, 96), w), torch.ones(2, 96) @ w.T, atol=1e-5)

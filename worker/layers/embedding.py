@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.protocol.utils import cdiv
-from tokenmill.worker.layers.linear import Loaded
+from tokenmill.worker.layers.linear import Loaded, matmul
 from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -51,5 +51,5 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = tp_all_gather(matmul(hidden, self.weight), dim=-1)
         return logits[..., : self.vocab_size]
