@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One prepared pass on a CUDA machine (under 6 minutes on one H200), needing only torch, triton,
+# One prepared pass on a CUDA machine (about 7 minutes on one H200), needing only torch, triton,
 # transformers, xxhash and psutil installed, plus the pyzmq/msgspec wheels carried in .whl/:
 #   1. the Triton kernels against their torch references, compiled on the GPU;
 #   2. greedy parity of tokenmill on CUDA (Triton backend, CUDA graphs) with HF transformers
 #      on random-weight models, CUDA graphs against eager, bf16 log-probabilities against HF,
 #      the Triton engine against the torch engine;
-#   3. W1 throughput on the Qwen3-0.6B shape with dummy weights, HF on the first 64 requests,
-#      with tokenmill's per-step time split.
+#   3. async scheduling against in-turn steps (identical greedy outputs on a random model);
+#   4. W1 throughput on the Qwen3-0.6B shape with dummy weights, async scheduling off and on
+#      (alternating), HF on the first 64 requests, with tokenmill's per-step time split.
 # Logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
@@ -24,17 +25,18 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 status=0
 
 echo "== kernels and engine tests on CUDA"
-timeout 200 python3 -m pytest -q -p no:cacheprovider \
+timeout 240 python3 -m pytest -q -p no:cacheprovider \
   tests/unit/test_triton_kernels.py \
   tests/models/test_cuda.py \
   tests/models/test_triton_backend.py \
   "tests/models/test_hf_parity.py::test_random_model_greedy_matches_hf" \
+  "tests/models/test_async_scheduling.py::test_tiny_model_async_equals_sync[1]" \
   2>&1 | tee "$OUT/pytest.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "== W1 throughput, Qwen3-0.6B shape, dummy weights, bf16 (HF: first 64 requests)"
-timeout 300 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
+echo "== W1 throughput, Qwen3-0.6B shape, dummy weights, bf16, async scheduling off and on (HF: first 64 requests)"
+timeout 360 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
   --load-format dummy --workload W1 --max-num-batched-tokens 8192 --compare hf \
-  --hf-requests 64 --step-times 2>&1 | grep -v Warning | tee "$OUT/bench_qwen3_w1.log" | tail -25
+  --hf-requests 64 --async-scheduling off on --step-times 2>&1 | grep -v Warning | tee "$OUT/bench_qwen3_w1.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status
