@@ -9,7 +9,9 @@ the torchrun group.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 from tokenmill.core.executor.base import Executor
@@ -17,9 +19,11 @@ from tokenmill.core.executor.base import Executor
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.thread: ThreadPoolExecutor | None = None
+        self.calls: queue.SimpleQueue | None = None
         if self.config.scheduler_config.async_scheduling:
-            self.thread = ThreadPoolExecutor(1, thread_name_prefix="worker")
+            # A daemon thread, so that a step still running never holds up the exit.
+            self.calls = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self.calls,), daemon=True, name="worker").start()
         self.worker = self._run(self._make_worker).result()
 
     def _make_worker(self) -> Any:
@@ -30,11 +34,12 @@ class UniProcExecutor(Executor):
         worker.load_model()
         return worker
 
-    def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
-        if self.thread is not None:
-            return self.thread.submit(fn, *args, **kwargs)
+    def _run(self, fn: Any) -> Future:
         future: Future[Any] = Future()
-        future.set_result(fn(*args, **kwargs))  # an exception propagates as it is
+        if self.calls is not None:
+            self.calls.put((fn, future))
+        else:
+            future.set_result(fn())  # an exception propagates as it is
         return future
 
     def collective_rpc(
@@ -54,7 +59,16 @@ class UniProcExecutor(Executor):
         return future if non_block else future.result(timeout)
 
     def shutdown(self) -> None:
-        if self.thread is not None:
-            # A step still running finishes on its own; nothing waits for it here.
-            self.thread.shutdown(wait=False, cancel_futures=True)
+        if self.calls is not None:
+            self.calls.put(None)  # the thread ends after the call it is running, if any
         self.worker = None  # type: ignore[assignment]
+
+
+def _serve(calls: queue.SimpleQueue) -> None:
+    """The worker's thread: runs calls in order until it gets None."""
+    while (item := calls.get()) is not None:
+        fn, future = item
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # the caller re-raises it from future.result()
+            future.set_exception(e)
