@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8, help="token prompts only")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
     parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -52,6 +53,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         skip_tokenizer_init=args.skip_tokenizer_init,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        async_scheduling=args.async_scheduling,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     if args.skip_tokenizer_init:

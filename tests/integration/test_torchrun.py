@@ -9,17 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tokenmill import LLM, SamplingParams
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "torchrun_generate.py"
 
 
-def test_torchrun_ranks_agree_with_tp1(tiny_model, tmp_path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "async"])
+def test_torchrun_ranks_agree_with_tp1(tiny_model, tmp_path, overlap: bool) -> None:
     path = tiny_model("llama-gqa")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(SCRIPT), "--model", str(path), "--skip-tokenizer-init", "--max-tokens", "16",
         "--kv-cache-memory-bytes", str(32 << 20), "--output-dir", str(tmp_path),
+        *(["--async-scheduling"] if overlap else []),
     ]  # fmt: skip
     # torchrun stops every rank when one fails; the timeout stops torchrun itself.
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)
