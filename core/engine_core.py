@@ -61,8 +61,9 @@ class EngineCore:
         self._grammar_req_ids: set[str] = set()  # live requests with a grammar
         self._rejected: list[EngineCoreOutput] = []
         self.async_scheduling = self.config.scheduler_config.async_scheduling
-        # Steps submitted to the executor and not yet updated, oldest first (at most two).
-        self._batches: deque[tuple[SchedulerOutput, Future]] = deque()
+        # Steps submitted to the executor and not yet updated, oldest first (at most two), with
+        # when each was submitted.
+        self._batches: deque[tuple[SchedulerOutput, Future, float]] = deque()
         self._stats = _StepStats()
         # With TOKENMILL_STEP_TIMING: seconds per stage, summed over steps (see envs).
         self.step_timing = envs.TOKENMILL_STEP_TIMING
@@ -230,16 +231,17 @@ class EngineCore:
         )
 
     def _submit(self, scheduler_output: SchedulerOutput) -> None:
+        submitted = time.perf_counter()
         try:
             future = self.executor.execute_model(scheduler_output, non_block=True)
         except Exception:
             logger.exception("the step failed; it ran %s", summarize(scheduler_output))
             raise
-        self._batches.append((scheduler_output, future))
+        self._batches.append((scheduler_output, future, submitted))
 
     def _collect(self) -> EngineCoreOutputs:
         """Waits for the oldest step in flight and applies its tokens."""
-        scheduler_output, future = self._batches.popleft()
+        scheduler_output, future, submitted = self._batches.popleft()
         start = time.perf_counter()
         try:
             runner_output = future.result()
@@ -259,7 +261,8 @@ class EngineCore:
             if self.async_scheduling:  # how long the core waited for the workers
                 self.add_step_time("wait", executed - start)
             else:  # whatever the runner did not time: the executor's transport, mostly
-                self.add_step_time("executor", executed - start - sum(runner_times.values()))
+                runner = sum(runner_times.values())
+                self.add_step_time("executor", executed - submitted - runner)
             self.add_step_time("update", time.perf_counter() - executed)
             self.num_timed_steps += 1
         self._stats.record(self, scheduler_output.total_num_scheduled_tokens, outputs)
