@@ -10,19 +10,23 @@ prepare, forward, logits, sample, update, and output (encoding the step's Engine
 the engine-core process does before sending them).
 
 With every stage run in turn, a step takes about forward + CPU work; async scheduling
-(scheduling step N+1 while step N runs, on the core's thread while the worker's thread runs
-the step) brings it towards max(forward, CPU work). "cpu/step" is the step's time outside
-the forward; "wait" is how long the core waited for the worker (async only). The worker's
-own stages (prepare, logits, sample) run in turn with its forward either way.
+(scheduling step N+1 while step N runs) brings it towards max(forward, CPU work). The worker
+runs on a thread of the core's process (`--executor uni`) or in a process of its own
+(`--executor mp`, MultiprocExecutor; its stages then include the step's transport). "cpu/step"
+is the step's time outside the forward; "wait" is how long the core waited for the worker
+(async only). The worker's own stages (prepare, logits, sample) run in turn with its forward
+either way: the next forward needs the sampled tokens.
 
     python scripts/bench_step_overlap.py [--requests 1 64 256] [--forward-ms 0.5 2 10]
-        [--temperature 1.0] [--seeded] [--async-scheduling off on]
+        [--temperature 1.0] [--seeded] [--async-scheduling off on] [--executor uni mp]
+        [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -31,9 +35,11 @@ os.environ["TOKENMILL_STEP_TIMING"] = "1"  # the engine times its stages (read a
 import torch  # noqa: E402
 
 from tokenmill.core.engine_core import EngineCore  # noqa: E402
+from tokenmill.core.executor import multiproc  # noqa: E402
 from tokenmill.protocol.codec import Encoder  # noqa: E402
 from tokenmill.protocol.config import EngineArgs  # noqa: E402
 from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams  # noqa: E402
+from tokenmill.worker.model_runner import ModelRunner  # noqa: E402
 
 CONFIG = Path(__file__).parent / "configs" / "smollm2-135m"
 STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output", "wait")
@@ -53,6 +59,9 @@ class SleepingModel(torch.nn.Module):
         self.out = torch.empty_like(self.logits)
         self.real = [real]  # kept (not as a submodule): its layers own the KV cache views
 
+    def attention_layers(self) -> list:  # the KV cache is sized and allocated for the real one
+        return self.real[0].attention_layers()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         time.sleep(self.forward_s)
         return self.hidden[: input_ids.shape[0]]
@@ -62,8 +71,38 @@ class SleepingModel(torch.nn.Module):
         return self.out[:n].copy_(self.logits[:n])
 
 
-def make_core(max_requests: int, async_scheduling: bool) -> tuple[EngineCore, SleepingModel]:
+_FORWARD_MS = "BENCH_FAKE_FORWARD_MS"  # how long the fake forward sleeps, in every process
+_load_model = ModelRunner.load_model
+
+
+def _load_sleeping_model(runner: ModelRunner) -> None:
+    """ModelRunner.load_model, then the model swapped for the fake (in whichever process
+    the worker lives)."""
+    _load_model(runner)
+    config = runner.config.model_config
+    fake = SleepingModel(runner.model, config.hidden_size, config.vocab_size)
+    fake.forward_s = float(os.environ[_FORWARD_MS]) / 1000
+    runner.model = fake
+
+
+def _start_fake_worker(module: str, args, config, env=None):
+    """Starts worker processes through this script, which installs the fake model first."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    return _start_module("bench_step_overlap", ["--as-worker", module, *args], config, env)
+
+
+_start_module = multiproc.start_module
+
+
+def make_core(max_requests: int, async_scheduling: bool, executor: str,
+              forward_ms: float) -> EngineCore:  # fmt: skip
+    os.environ[_FORWARD_MS] = str(forward_ms)
+    ModelRunner.load_model = _load_sleeping_model  # type: ignore[method-assign]
+    multiproc.start_module = _start_fake_worker  # type: ignore[assignment]
     args = EngineArgs(
+        distributed_executor_backend=executor,
         async_scheduling=async_scheduling,
         model=str(CONFIG),
         load_format="dummy",
@@ -73,22 +112,16 @@ def make_core(max_requests: int, async_scheduling: bool) -> tuple[EngineCore, Sl
         max_num_batched_tokens=max(2048, 16 * max_requests),
         kv_cache_memory_bytes=1 << 30,
     )
-    core = EngineCore(args.create_engine_config())
-    runner = core.executor.worker.model_runner  # type: ignore[attr-defined]
-    model_config = core.config.model_config
-    fake = SleepingModel(runner.model, model_config.hidden_size, model_config.vocab_size)
-    runner.model = fake
-    return core, fake
+    return EngineCore(args.create_engine_config())
 
 
-def measure(core: EngineCore, fake: SleepingModel, num_requests: int, forward_ms: float,
-            steps: int, params: SamplingParams) -> dict[str, float]:  # fmt: skip
+def measure(core: EngineCore, num_requests: int, forward_ms: float, steps: int,
+            params: SamplingParams) -> dict[str, float]:  # fmt: skip
     """Per-step means over `steps` decode steps with `num_requests` running."""
     for i in range(num_requests):
         core.add_request(
             EngineCoreRequest(f"r{forward_ms}-{i}", list(range(100 + i, 116 + i)), params, [], 0.0)
         )
-    fake.forward_s = forward_ms / 1000
     while core.scheduler.num_running < num_requests or core.scheduler.num_waiting:
         core.step()  # admit everyone and finish their prompts
     core.step()
@@ -120,28 +153,51 @@ def main() -> None:
     parser.add_argument("--seeded", action="store_true", help="every request has its own seed")
     parser.add_argument("--async-scheduling", nargs="+", choices=["off", "on"],
                         default=["off", "on"])  # fmt: skip
+    parser.add_argument("--executor", nargs="+", choices=["uni", "mp"], default=["uni"])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="sweeps, one after another; each row is its best round")  # fmt: skip
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, seed=0 if args.seeded else None,
                             max_tokens=100_000, ignore_eos=True)  # fmt: skip
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, temperature "
           f"{args.temperature}{', seeded' if args.seeded else ''}; ms per step")  # fmt: skip
-    header = ("async", "requests", "forward", "steps/s", "step", "cpu/step", *STAGES)
+    best: dict[tuple, dict[str, float]] = {}
+    for _ in range(args.rounds):  # each round sweeps every setting once
+        for executor in args.executor:
+            for mode in args.async_scheduling:
+                for ms in args.forward_ms:
+                    core = make_core(max(args.requests), mode == "on", executor, ms)
+                    try:
+                        for n in args.requests:
+                            s = measure(core, n, ms, args.steps, params)
+                            key = (executor, mode, n, ms)
+                            if key not in best or s["step"] < best[key]["step"]:
+                                best[key] = s
+                    finally:
+                        core.shutdown()
+    header = ("executor", "async", "requests", "forward", "steps/s", "step", "cpu/step", *STAGES)
     print("| " + " | ".join(f"{h:>8}" for h in header) + " |")
     print("|" + "|".join("-" * 10 for _ in header) + "|")
-    for mode in args.async_scheduling:
-        core, fake = make_core(max(args.requests), mode == "on")
-        try:
-            for n in args.requests:
-                for ms in args.forward_ms:
-                    s = measure(core, fake, n, ms, args.steps, params)
-                    cpu = s["step"] - s["forward"]
-                    row = (mode, n, ms, 1 / s["step"], 1e3 * s["step"], 1e3 * cpu,
-                           *(1e3 * s[stage] for stage in STAGES))  # fmt: skip
-                    print("| " + " | ".join(f"{v:>8.2f}" if isinstance(v, float) else f"{v:>8}"
-                                            for v in row) + " |")  # fmt: skip
-        finally:
-            core.shutdown()
+    for (executor, mode, n, ms), s in best.items():
+        cpu = s["step"] - s["forward"]
+        row = (executor, mode, n, ms, 1 / s["step"], 1e3 * s["step"], 1e3 * cpu,
+               *(1e3 * s[stage] for stage in STAGES))  # fmt: skip
+        print("| " + " | ".join(f"{v:>8.2f}" if isinstance(v, float) else f"{v:>8}"
+                                for v in row) + " |")  # fmt: skip
+
+
+def run_worker(argv: list[str]) -> None:
+    """`--as-worker MODULE ARGS...`: a worker process (MODULE's main()) with the fake model
+    installed."""
+    import importlib
+
+    ModelRunner.load_model = _load_sleeping_model  # type: ignore[method-assign]
+    module, *sys.argv[1:] = argv
+    importlib.import_module(module).main()
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--as-worker"]:
+        run_worker(sys.argv[2:])
+    else:
+        main()
