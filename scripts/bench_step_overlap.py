@@ -49,11 +49,13 @@ class SleepingModel(torch.nn.Module):
     """Stands in for the model: a forward that sleeps (releasing the GIL, as a GPU forward
     leaves the CPU free) and logits from a fixed random tensor of the real vocabulary."""
 
-    def __init__(self, real: torch.nn.Module, hidden_size: int, vocab_size: int) -> None:
+    def __init__(self, real: torch.nn.Module, hidden_size: int, vocab_size: int,
+                 device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
         super().__init__()
         self.forward_s = 0.0
-        self.hidden = torch.zeros(8192, hidden_size)
-        self.logits = torch.randn(512, vocab_size, generator=torch.Generator().manual_seed(0))
+        self.hidden = torch.zeros(8192, hidden_size, device=device, dtype=dtype)
+        logits = torch.randn(512, vocab_size, generator=torch.Generator().manual_seed(0))
+        self.logits = logits.to(device, dtype)
         # Written afresh every step, as a model's logits are, but into memory already mapped
         # (a fresh 50 MB tensor per step costs page faults that vary from run to run).
         self.out = torch.empty_like(self.logits)
@@ -80,7 +82,8 @@ def _load_sleeping_model(runner: ModelRunner) -> None:
     the worker lives)."""
     _load_model(runner)
     config = runner.config.model_config
-    fake = SleepingModel(runner.model, config.hidden_size, config.vocab_size)
+    fake = SleepingModel(runner.model, config.hidden_size, config.vocab_size, runner.device,
+                         runner.dtype)  # fmt: skip
     fake.forward_s = float(os.environ[_FORWARD_MS]) / 1000
     runner.model = fake
 
@@ -104,6 +107,7 @@ def make_core(max_requests: int, async_scheduling: bool, executor: str,
     args = EngineArgs(
         distributed_executor_backend=executor,
         async_scheduling=async_scheduling,
+        enforce_eager=True,  # (a CUDA graph would capture the fake forward without its sleep)
         model=str(CONFIG),
         load_format="dummy",
         skip_tokenizer_init=True,

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# One prepared pass on a CUDA machine (about 7 minutes on one H200), needing only torch, triton,
+# One prepared pass on a CUDA machine (about 8 minutes on one H200), needing only torch, triton,
 # transformers, xxhash and psutil installed, plus the pyzmq/msgspec wheels carried in .whl/:
 #   1. the Triton kernels against their torch references, compiled on the GPU;
 #   2. greedy parity of tokenmill on CUDA (Triton backend, CUDA graphs) with HF transformers
 #      on random-weight models, CUDA graphs against eager, bf16 log-probabilities against HF,
 #      the Triton engine against the torch engine;
 #   3. async scheduling against in-turn steps (identical greedy outputs on a random model);
-#   4. W1 throughput on the Qwen3-0.6B shape with dummy weights, async scheduling off and on
+#   4. the fake-model step benchmark (a 2 ms sleeping forward, real input preparation and
+#      sampling on the GPU) with async scheduling off and on, in-process and across processes;
+#   5. W1 throughput on the Qwen3-0.6B shape with dummy weights, async scheduling off and on
 #      (alternating), HF on the first 64 requests, with tokenmill's per-step time split.
 # Logs go to $OUT.
 set -uo pipefail
@@ -32,6 +34,12 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider \
   "tests/models/test_hf_parity.py::test_random_model_greedy_matches_hf" \
   "tests/models/test_async_scheduling.py::test_tiny_model_async_equals_sync[1]" \
   2>&1 | tee "$OUT/pytest.log" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== fake-model steps: 2 ms forward, 64 and 256 requests, async scheduling off and on"
+timeout 150 python3 scripts/bench_step_overlap.py --temperature 0 --forward-ms 2 \
+  --requests 64 256 --executor uni mp 2>&1 | grep -v Warning \
+  | tee "$OUT/bench_step_overlap.log" | tail -12
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== W1 throughput, Qwen3-0.6B shape, dummy weights, bf16, async scheduling off and on (HF: first 64 requests)"
