@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
+
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.protocol.config import (
@@ -15,7 +17,12 @@ from tokenmill.protocol.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from tokenmill.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
+from tokenmill.protocol.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsArrays,
+    SamplingParams,
+)
 from tokenmill.protocol.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
@@ -382,3 +389,46 @@ def test_async_order_schedules_nothing_past_max_tokens_and_drops_aborted_tokens(
     assert gone.output_token_ids == [] and not s.has_unfinished_requests()
     s.update_from_output(out3, fake_run(s, out3))
     assert s.kv_cache_manager.num_free_blocks == 99
+
+
+def _part(rows: int) -> LogprobsArrays:
+    """Prompt logprobs for `rows` positions (top 1 after the chosen token)."""
+    return LogprobsArrays(
+        np.full((rows, 2), 5, dtype=np.int32),
+        np.full((rows, 2), -1.0, dtype=np.float32),
+        np.ones(rows, dtype=np.int32),
+    )
+
+
+def test_async_order_prompt_logprobs_of_a_request_preempted_in_flight() -> None:
+    # Its prompt's last chunk is in flight: the token and all the prompt logprobs are kept.
+    s = make_scheduler(num_blocks=7, block_size=4, budget=12)
+    x, a = add(s, 8), add(s, 12, prompt_logprobs=1)
+    out1 = s.schedule()
+    run1 = fake_run(s, out1)
+    run1.prompt_logprobs = {a.request_id: _part(4)}  # positions 1-4
+    out2 = s.schedule()
+    assert out2.num_scheduled_tokens == {x.request_id: 1, a.request_id: 8}
+    run2 = fake_run(s, out2)
+    run2.prompt_logprobs = {a.request_id: _part(7)}  # positions 5-11
+    s.update_from_output(out1, run1)
+    out3 = s.schedule()  # a's pending token needs a 4th block: none is left
+    assert a.status == RequestStatus.PREEMPTED and out3.num_scheduled_tokens == {x.request_id: 1}
+    assert len(a.prompt_logprob_parts) == 1  # kept for the step in flight
+    (_, kept) = s.update_from_output(out2, run2).outputs
+    assert kept.request_id == a.request_id and kept.new_token_ids == [7]
+    assert kept.prompt_logprobs is not None and len(kept.prompt_logprobs.ranks) == 11
+    assert a.prompt_logprobs_sent and a.prompt_logprob_parts == []
+
+    # Mid-prompt when preempted: that chunk's logprobs are dropped (the prompt is recomputed).
+    s = make_scheduler(num_blocks=6, block_size=4, budget=12)
+    x, a = add(s, 8), add(s, 12, prompt_logprobs=1)
+    out1 = s.schedule()
+    assert out1.num_scheduled_tokens == {x.request_id: 8, a.request_id: 4}
+    run1 = fake_run(s, out1)
+    run1.prompt_logprobs = {a.request_id: _part(4)}
+    s.schedule()  # a's next chunk needs two more blocks; one is left after x's decode
+    assert a.status == RequestStatus.PREEMPTED and a.num_output_placeholders == 0
+    outputs = s.update_from_output(out1, run1).outputs
+    assert [o.request_id for o in outputs] == [x.request_id]
+    assert a.prompt_logprob_parts == [] and not a.prompt_logprobs_sent
