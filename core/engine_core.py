@@ -41,6 +41,7 @@ from tokenmill.protocol.scheduler_output import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _GRAMMAR_WAIT_S = 0.05  # an otherwise idle step waits this long for a grammar to compile
+_FORWARD_WAIT_S = 0.05  # the longest the core gives the next step to reach its forward
 
 
 class EngineCore:
@@ -62,8 +63,9 @@ class EngineCore:
         self._rejected: list[EngineCoreOutput] = []
         self.async_scheduling = self.config.scheduler_config.async_scheduling
         # Steps submitted to the executor and not yet updated, oldest first (at most two), with
-        # when each was submitted.
-        self._batches: deque[tuple[SchedulerOutput, Future, float]] = deque()
+        # when each was submitted and its number among the steps with tokens (0: none).
+        self._batches: deque[tuple[SchedulerOutput, Future, float, int]] = deque()
+        self._num_token_steps = 0
         self._stats = _StepStats()
         # With TOKENMILL_STEP_TIMING: seconds per stage, summed over steps (see envs).
         self.step_timing = envs.TOKENMILL_STEP_TIMING
@@ -237,17 +239,25 @@ class EngineCore:
         except Exception:
             logger.exception("the step failed; it ran %s", summarize(scheduler_output))
             raise
-        self._batches.append((scheduler_output, future, submitted))
+        if scheduler_output.total_num_scheduled_tokens:
+            self._num_token_steps += 1
+            number = self._num_token_steps
+        else:
+            number = 0
+        self._batches.append((scheduler_output, future, submitted, number))
 
     def _collect(self) -> EngineCoreOutputs:
         """Waits for the oldest step in flight and applies its tokens."""
-        scheduler_output, future, submitted = self._batches.popleft()
+        scheduler_output, future, submitted, _ = self._batches.popleft()
         start = time.perf_counter()
         try:
             runner_output = future.result()
         except Exception:
             logger.exception("the step failed; it ran %s", summarize(scheduler_output))
             raise
+        if self._batches and self._batches[0][3]:
+            # Let the next step's inputs be prepared before this update takes the GIL.
+            self.executor.wait_for_forward(self._batches[0][3], _FORWARD_WAIT_S)
         executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self._grammar_req_ids:

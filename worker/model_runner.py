@@ -13,6 +13,7 @@ import math
 import mmap
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,6 +54,9 @@ class ModelRunner:
         self.staging = HostStaging(device, torch.int64)
         self.step_timing = envs.TOKENMILL_STEP_TIMING
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
+        # Called as each step's forward starts (the in-process executor's async scheduling
+        # times the core's work to it; see UniProcExecutor).
+        self.on_forward: Callable[[], None] | None = None
 
     def load_model(self) -> None:
         with use_triton_layers(self.use_triton):
@@ -208,6 +212,8 @@ class ModelRunner:
         if graphs is not None and num_decodes == total and graphs.padded_size(total) is not None:
             if timer is not None:
                 timer.lap("prepare")  # the copies into the graph's buffers count as forward
+            if self.on_forward is not None:
+                self.on_forward()
             hidden = graphs.run(
                 input_ids, positions, slot_mapping, seq_lens, batch.block_table[rows, :width]
             )
@@ -229,6 +235,8 @@ class ModelRunner:
             )
             if timer is not None:
                 timer.lap("prepare")
+            if self.on_forward is not None:
+                self.on_forward()
             with set_forward_context(metadata):
                 hidden = self.model(ids_t, positions_t)
         if timer is not None:

@@ -71,6 +71,11 @@ class Executor(ABC):
         """`callback(cause)` runs (on another thread) once the workers are found dead."""
         self.failure_callback = callback
 
+    def wait_for_forward(self, step: int, timeout: float) -> None:
+        """Returns once the workers have started the forward of the `step`-th step with
+        tokens (counted from 1), or after `timeout` seconds. Only an executor whose workers
+        share the core's interpreter waits (see UniProcExecutor)."""
+
     def check_health(self) -> None:
         """Raises RuntimeError, with the cause, if the workers are dead."""
 

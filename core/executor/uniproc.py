@@ -3,8 +3,10 @@
 `collective_rpc` is a direct method call, so a step costs no serialization at all. Under
 async scheduling every call runs on one worker thread instead (in order, the worker's set-up
 included), so that the core schedules the next step while this one runs; the model's forward
-releases the GIL. The external launcher (torchrun) reuses it with a worker that is one rank of
-the torchrun group.
+releases the GIL. The two threads share the GIL, so the core does its own work (the last
+step's update, the next schedule) once the worker's next forward has started
+(`wait_for_forward`), not while the worker prepares that step's inputs. The external launcher
+(torchrun) reuses it with a worker that is one rank of the torchrun group.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class UniProcExecutor(Executor):
             self.calls = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(self.calls,), daemon=True, name="worker").start()
         self.worker = self._run(self._make_worker).result()
+        self.forwards = threading.Condition()
+        self.num_forwards = 0  # steps whose forward has started
+        if self.calls is not None:
+            self.worker.model_runner.on_forward = self._forward_started
 
     def _make_worker(self) -> Any:
         from tokenmill.worker.worker import Worker
@@ -57,6 +63,16 @@ class UniProcExecutor(Executor):
 
         future = self._run(call)
         return future if non_block else future.result(timeout)
+
+    def _forward_started(self) -> None:  # on the worker's thread
+        with self.forwards:
+            self.num_forwards += 1
+            self.forwards.notify_all()
+
+    def wait_for_forward(self, step: int, timeout: float) -> None:
+        if self.calls is not None:
+            with self.forwards:
+                self.forwards.wait_for(lambda: self.num_forwards >= step, timeout)
 
     def shutdown(self) -> None:
         if self.calls is not None:
