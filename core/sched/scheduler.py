@@ -250,12 +250,13 @@ class Scheduler:
         scheduled = self.in_flight.popleft()
         for req_id, part in runner_output.prompt_logprobs.items():
             request = scheduled.get(req_id)
-            # A request preempted mid-prompt computes it (and these logprobs) again later.
-            if (
-                request is not None
-                and (request.status == RequestStatus.RUNNING or request.num_output_placeholders)
-                and not request.prompt_logprobs_sent
-            ):
+            # A request preempted mid-prompt computes it (and these logprobs) again later; one
+            # preempted while its last chunk ran keeps them with its token.
+            kept = request is not None and (
+                request.status == RequestStatus.RUNNING
+                or (request.status == RequestStatus.PREEMPTED and request.num_output_placeholders)
+            )
+            if kept and not request.prompt_logprobs_sent:
                 request.prompt_logprob_parts.append(part)
         logprob_rows = {r: i for i, r in enumerate(runner_output.logprobs_req_ids)}
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
