@@ -19,6 +19,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, wait
+from typing import NamedTuple
 
 import msgspec
 
@@ -62,9 +63,8 @@ class EngineCore:
         self._grammar_req_ids: set[str] = set()  # live requests with a grammar
         self._rejected: list[EngineCoreOutput] = []
         self.async_scheduling = self.config.scheduler_config.async_scheduling
-        # Steps submitted to the executor and not yet updated, oldest first (at most two), with
-        # when each was submitted and its number among the steps with tokens (0: none).
-        self._batches: deque[tuple[SchedulerOutput, Future, float, int]] = deque()
+        # Steps submitted to the executor and not yet updated, oldest first (at most two).
+        self._batches: deque[_Batch] = deque()
         self._num_token_steps = 0
         self._stats = _StepStats()
         # With TOKENMILL_STEP_TIMING: seconds per stage, summed over steps (see envs).
@@ -180,7 +180,9 @@ class EngineCore:
         if self.async_scheduling:
             outputs = self._step_overlapped()
         else:
-            self._submit(self._schedule())
+            scheduler_output = self._schedule()
+            self._fill_bitmask(scheduler_output)
+            self._submit(scheduler_output)
             outputs = self._collect()
         if outputs is None:
             outputs = EngineCoreOutputs(timestamp=time.monotonic())
@@ -193,7 +195,7 @@ class EngineCore:
         two are (or once there is nothing new to run). None: nothing was updated."""
         outputs = None
         if self.scheduler.has_unfinished_requests():
-            scheduler_output = self._schedule(bitmask=False)
+            scheduler_output = self._schedule()
             if self._batches and self._waits_for_grammar_token(scheduler_output):
                 outputs = self._collect()
             self._fill_bitmask(scheduler_output)
@@ -204,11 +206,9 @@ class EngineCore:
                 return None  # the next call schedules while this step runs
         return self._collect()
 
-    def _schedule(self, bitmask: bool = True) -> SchedulerOutput:
+    def _schedule(self) -> SchedulerOutput:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        if bitmask:
-            self._fill_bitmask(scheduler_output)
         if self.step_timing:
             self.add_step_time("schedule", time.perf_counter() - start)
         return scheduler_output
@@ -239,12 +239,11 @@ class EngineCore:
         except Exception:
             logger.exception("the step failed; it ran %s", summarize(scheduler_output))
             raise
+        number = 0
         if scheduler_output.total_num_scheduled_tokens:
             self._num_token_steps += 1
             number = self._num_token_steps
-        else:
-            number = 0
-        self._batches.append((scheduler_output, future, submitted, number))
+        self._batches.append(_Batch(scheduler_output, future, submitted, number))
 
     def _collect(self) -> EngineCoreOutputs:
         """Waits for the oldest step in flight and applies its tokens."""
@@ -255,9 +254,9 @@ class EngineCore:
         except Exception:
             logger.exception("the step failed; it ran %s", summarize(scheduler_output))
             raise
-        if self._batches and self._batches[0][3]:
+        if self._batches and self._batches[0].forward_number:
             # Let the next step's inputs be prepared before this update takes the GIL.
-            self.executor.wait_for_forward(self._batches[0][3], _FORWARD_WAIT_S)
+            self.executor.wait_for_forward(self._batches[0].forward_number, _FORWARD_WAIT_S)
         executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self._grammar_req_ids:
@@ -338,6 +337,15 @@ def summarize(out: SchedulerOutput) -> str:
         f"{dict(list(out.num_scheduled_tokens.items())[:16])}; finished {out.finished_req_ids}, "
         f"preempted {out.preempted_req_ids}"
     )
+
+
+class _Batch(NamedTuple):
+    """A step submitted to the executor and not yet updated."""
+
+    scheduler_output: SchedulerOutput
+    future: Future
+    submitted: float  # perf_counter() when it was submitted
+    forward_number: int  # its number among the steps with tokens, from 1 (0: none)
 
 
 class _StepStats:

@@ -208,6 +208,16 @@ class MPClient:
     def engine_config(self) -> EngineConfig:
         return self.ready.config
 
+    def _start_thread(self, target: Any, name: str) -> None:
+        """A daemon thread running `target(client_ref, stop_event)`. It holds the client only
+        weakly, so that dropping the last reference to it still shuts the engine core down;
+        shutdown stops and joins it (with a deadline)."""
+        thread = threading.Thread(
+            target=target, args=(weakref.ref(self), self.stop_thread), daemon=True, name=name
+        )
+        self.threads.append(thread)
+        thread.start()
+
     def _handshake(self, auth_token: str, timeout: float) -> Ready:
         self._send(RequestType.HELLO, Hello(PROTOCOL_VERSION, auth_token))
         # A blocking view of the output socket (an asyncio one cannot be read outside a loop).
@@ -307,16 +317,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
         self._poller = zmq.Poller()
         self._poller.register(self.output_socket, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
-        # The thread holds the client only weakly, so that dropping the last reference to it
-        # still shuts the engine core down.
-        thread = threading.Thread(
-            target=_output_thread,
-            args=(weakref.ref(self), self.stop_thread),
-            daemon=True,
-            name="mp-client-output",
-        )
-        self.threads.append(thread)
-        thread.start()
+        self._start_thread(_output_thread, "mp-client-output")
 
     def _receive_once(self) -> bool:
         """One turn of the output thread: waits up to 200 ms for a message from the core and
@@ -464,14 +465,7 @@ class AsyncMPClient(MPClient):
         self.tasks: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         super().__init__(config, engine_address, auth_token, asyncio_mode=True)
-        thread = threading.Thread(
-            target=_heartbeat_thread,
-            args=(weakref.ref(self), self.stop_thread),
-            daemon=True,
-            name="async-mp-client-heartbeat",
-        )
-        self.threads.append(thread)
-        thread.start()
+        self._start_thread(_heartbeat_thread, "async-mp-client-heartbeat")
 
     def _ensure_started(self) -> None:
         """Starts the receiving and watching tasks on the running loop (again if the client

@@ -88,15 +88,15 @@ def _load_sleeping_model(runner: ModelRunner) -> None:
     runner.model = fake
 
 
+_start_module = multiproc.start_module
+
+
 def _start_fake_worker(module: str, args, config, env=None):
     """Starts worker processes through this script, which installs the fake model first."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent),
                                                       env.get("PYTHONPATH")]))  # fmt: skip
     return _start_module("bench_step_overlap", ["--as-worker", module, *args], config, env)
-
-
-_start_module = multiproc.start_module
 
 
 def make_core(max_requests: int, async_scheduling: bool, executor: str,
