@@ -21,6 +21,14 @@ def _bool(name: str, default: bool) -> Callable[[], bool]:
     return read
 
 
+def _optional_bool(name: str) -> Callable[[], bool | None]:
+    def read() -> bool | None:
+        value = os.environ.get(name)
+        return None if value is None or value == "" else _bool(name, False)()
+
+    return read
+
+
 def _float(name: str, default: float) -> Callable[[], float]:
     return lambda: float(os.environ.get(name) or default)
 
@@ -52,6 +60,12 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     # device is synchronized around the forward) and reports the sums in get_stats()
     # under "step_time_s". Off by default: the synchronization costs overlap on a GPU.
     "TOKENMILL_STEP_TIMING": _bool("TOKENMILL_STEP_TIMING", False),
+    # With async scheduling, whether the workers also overlap their steps: each step prepared
+    # on the worker's thread while the step before runs its forward and sampling on the
+    # runner's device thread. Unset: on with CUDA only (on the CPU the forward needs every
+    # core); 1 forces it on the CPU too (tests; the fake-model benchmark, whose forward
+    # leaves the CPU free as a GPU's does).
+    "TOKENMILL_OVERLAP_STEPS": _optional_bool("TOKENMILL_OVERLAP_STEPS"),
 }
 
 

@@ -4,6 +4,8 @@ Rows hold each request's tokens, block table and sampling settings in numpy arra
 step only gathers from them. `apply(scheduler_output)` keeps the rows in step with the
 scheduler's diff: finished and preempted requests leave, new ones take a free row, known
 ones get their new block ids and progress. The runner appends each sampled token itself.
+With async scheduling the next step's apply() runs while a step still samples: a row that
+step may write is not given to another request until the apply() after.
 """
 
 from __future__ import annotations
@@ -62,8 +64,16 @@ class InputBatch:
         self.num_prompt_logprobs: dict[int, int] = {}
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # Rows freed while a step that may still write them was running (async scheduling):
+        # free from the next apply() on, when that step has read and written its rows.
+        self.released_rows: list[int] = []
 
-    def apply(self, out: SchedulerOutput) -> None:
+    def apply(self, out: SchedulerOutput, defer_free: bool = False) -> None:
+        """defer_free: a step still running may write the rows this frees (async scheduling),
+        so they are reused from the next apply() on."""
+        self.free_rows += self.released_rows
+        self.released_rows.clear()
+        freed = self.released_rows if defer_free else self.free_rows
         for req_id in itertools.chain(out.finished_req_ids, out.preempted_req_ids):
             row = self.row_of.pop(req_id, None)
             if row is not None:
@@ -78,7 +88,7 @@ class InputBatch:
                 ):
                     per_row.pop(row, None)
                 self.penalty_rows.discard(row)
-                self.free_rows.append(row)
+                freed.append(row)
         for new in out.scheduled_new_reqs:
             self._add(new)
         cached = out.scheduled_cached_reqs
@@ -91,6 +101,10 @@ class InputBatch:
                 self.block_table[row, start : start + len(block_ids)] = block_ids
                 self.num_blocks[row] = start + len(block_ids)
             self.num_computed_tokens[row] = computed
+
+    def num_reusable_rows(self) -> int:
+        """Rows the next apply() may give to new requests, whether or not it defers."""
+        return len(self.free_rows) + len(self.released_rows)
 
     def _add(self, new: NewRequestData) -> None:
         if new.req_id in self.row_of:

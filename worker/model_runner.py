@@ -12,9 +12,12 @@ import logging
 import math
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +26,7 @@ from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import LogprobsArrays
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from tokenmill.protocol.threads import OrderedThread
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 from tokenmill.worker.attention.torch_backend import TorchAttentionBackend, cpu_decode_group_bytes
@@ -32,6 +36,8 @@ from tokenmill.worker.layers.custom_op import use_triton_layers
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.staging import HostStaging
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # imports triton
     from tokenmill.worker.cuda_graph import DecodeGraphs
@@ -51,12 +57,35 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        self.staging = HostStaging(device, torch.int64)
+        self.staging = HostStaging(device, torch.int64)  # the host's part of a step
+        self.ids_staging = HostStaging(device, torch.int64)  # the device's part: input tokens
         self.step_timing = envs.TOKENMILL_STEP_TIMING
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
         # Called as each step's forward starts (the in-process executor's async scheduling
         # times the core's work to it; see UniProcExecutor).
         self.on_forward: Callable[[], None] | None = None
+        # Steps overlapped (async scheduling, submit_model): the thread that runs the steps'
+        # device parts, and the last step submitted. Only where the forward leaves the CPU
+        # free (CUDA): on the CPU the forward needs every core.
+        overlap = envs.TOKENMILL_OVERLAP_STEPS
+        self.overlap_steps = config.scheduler_config.async_scheduling and (
+            device.type == "cuda" if overlap is None else overlap
+        )
+        self._device_thread: OrderedThread | None = None
+        if self.overlap_steps:
+            cuda = device.type == "cuda"
+            setup = (lambda: torch.cuda.set_device(device)) if cuda else None
+            self._device_thread = OrderedThread("device", setup)
+        self._in_flight: _Step | None = None
+
+    def on_device(self, fn: Callable[[], T]) -> T:
+        """Runs fn (loading, profiling, allocating the cache) on the device thread when steps
+        overlap, so that one thread runs all the heavy torch work. On the CPU a second thread
+        running parallel ops would give libgomp more threads than cores, and its threads then
+        sleep between parallel regions instead of spinning: a small op costs about 5x."""
+        if self._device_thread is None:
+            return fn()
+        return self._device_thread.submit(fn).result()
 
     def load_model(self) -> None:
         with use_triton_layers(self.use_triton):
@@ -170,12 +199,53 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs a step in turn: prepares it, runs it and returns its outputs."""
+        step = self._prepare(out, defer_free=False)
+        return _empty_output() if step is None else self._run_step(step)
+
+    def submit_model(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Prepares a step on this thread and queues the rest (forward, sampling, outputs) on
+        the runner's device thread, so that the next step's preparation overlaps this one's
+        forward (async scheduling). Sampled tokens never leave the worker: a step takes its
+        input tokens from the batch's record when its device part starts, after the step
+        before appended its own."""
+        batch = self.input_batch
+        assert batch is not None, "initialize_kv_cache() first"
+        assert self._device_thread is not None, "steps overlap only with async scheduling"
+        last = self._in_flight
+        running = False
+        if last is not None:
+            last.inputs_taken.wait()  # it no longer reads what this step's apply() changes
+            running = not last.future.done()
+            if running and len(out.scheduled_new_reqs) > batch.num_reusable_rows():
+                wait([last.future])  # the rows it still writes are needed now
+                running = False
+        with torch.inference_mode():
+            step = self._prepare(out, defer_free=running)
+        if step is None:
+            future: Future[ModelRunnerOutput] = Future()
+            future.set_result(_empty_output())
+            return future
+        step.future = self._device_thread.submit(lambda: self._run_step(step))
+        self._in_flight = step
+        return step.future
+
+    def close(self) -> None:
+        """Ends the device thread after the steps already queued; never waits for them."""
+        if self._device_thread is not None:
+            self._device_thread.close()
+            self._device_thread = None
+
+    def _prepare(self, out: SchedulerOutput, defer_free: bool) -> _Step | None:
+        """The host's part of a step: the batch brought up to date and everything the forward
+        needs but the input tokens (positions, slots, attention metadata). defer_free: a step
+        still running may write rows that this apply frees, so they are reused a step later."""
         batch = self.input_batch
         assert batch is not None and self.model is not None, "initialize_kv_cache() first"
         timer = _StepTimer(self.device) if self.step_timing else None
-        batch.apply(out)
+        batch.apply(out, defer_free)
         if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return None
 
         # Decodes (one new token) first, by context length so that the attention backend's
         # decode groups pad little; then prefill chunks in schedule order.
@@ -195,78 +265,115 @@ class ModelRunner:
         total = int(cu_query[-1])
         token_rows = np.repeat(rows, query_lens)
         positions = np.arange(total) - np.repeat(cu_query[:-1] - starts, query_lens)
-        input_ids = batch.token_ids[token_rows, positions]
         bs = self.block_size
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
 
         # Only requests whose every token is now computed produce a token this step, from
         # the hidden state of their last token (when every token is one, no gather is needed).
+        # (With steps overlapped, a count may still lack the token the step before is
+        # sampling; the comparison holds either way, that request's step being one decode.)
         done = seq_lens >= batch.num_tokens[rows]
-        sample_rows = rows[done]
-        gather = len(sample_rows) not in (0, total)
+        gather = int(np.count_nonzero(done)) not in (0, total)
         last_token = cu_query[1:][done] - 1
 
         num_decodes = int(np.count_nonzero(query_lens == 1))
-        width = cdiv(int(seq_lens.max()), bs)
+        block_table = batch.block_table[rows, : cdiv(int(seq_lens.max()), bs)]
+        step = _Step(
+            out=out,
+            req_ids=req_ids,
+            rows=rows,
+            token_rows=token_rows,
+            positions=positions,
+            done=done,
+            sample_rows=rows[done],
+            prompt_logprobs=self._prompt_logprob_chunks(rows, starts, cu_query),
+            timer=timer,
+        )
         graphs = self.decode_graphs
         if graphs is not None and num_decodes == total and graphs.padded_size(total) is not None:
-            if timer is not None:
-                timer.lap("prepare")  # the copies into the graph's buffers count as forward
-            if self.on_forward is not None:
-                self.on_forward()
-            hidden = graphs.run(
-                input_ids, positions, slot_mapping, seq_lens, batch.block_table[rows, :width]
-            )
-            last_token_t = self.staging.to_device(last_token)[0] if gather else None
+            step.graph_inputs = (slot_mapping, seq_lens, block_table)
+            if gather:
+                step.last_token_t = self.staging.to_device(last_token)[0]
         else:
             attn_inputs = StepAttentionInputs(
                 num_decodes=num_decodes,
                 query_lens=query_lens,
                 seq_lens=seq_lens,
-                block_table=batch.block_table[rows, :width],
+                block_table=block_table,
                 slot_mapping=slot_mapping,
                 block_size=bs,
                 device=self.device,
                 dtype=self.dtype,
             )
-            metadata = self.attn_backend.build_metadata(attn_inputs)
-            ids_t, positions_t, last_token_t = self.staging.to_device(
-                input_ids, positions, last_token
-            )
+            step.attn_metadata = self.attn_backend.build_metadata(attn_inputs)
+            step.positions_t, last_token_t = self.staging.to_device(positions, last_token)
+            step.last_token_t = last_token_t if gather else None
+        batch.num_computed_tokens[rows] = seq_lens
+        if timer is not None:
+            timer.lap("prepare", synchronize=False)
+        return step
+
+    @torch.inference_mode()
+    def _run_step(self, step: _Step) -> ModelRunnerOutput:
+        """The device's part of a step: input tokens, forward, sampling, outputs. Steps run
+        this in order; each reads the batch's token record after the one before wrote it."""
+        batch = self.input_batch
+        assert batch is not None and self.model is not None
+        timer = step.timer
+        if timer is not None:
+            timer.restart()  # the time queued behind the step before is not this step's
+        sample_rows = step.sample_rows
+        try:
+            input_ids = batch.token_ids[step.token_rows, step.positions]
+            meta = batch.sampling_metadata(sample_rows, self.device) if len(sample_rows) else None
+            wants = [i for i, r in enumerate(sample_rows.tolist()) if r in batch.num_logprobs]
+            top_k = max((batch.num_logprobs[int(sample_rows[i])] for i in wants), default=0)
+        finally:
+            step.inputs_taken.set()
+
+        if step.graph_inputs is not None:
+            graphs = self.decode_graphs
+            assert graphs is not None
+            if timer is not None:
+                timer.lap("prepare")  # the copies into the graph's buffers count as forward
+            if self.on_forward is not None:
+                self.on_forward()
+            hidden = graphs.run(input_ids, step.positions, *step.graph_inputs)
+        else:
+            ids_t = self.ids_staging.to_device(input_ids)[0]
             if timer is not None:
                 timer.lap("prepare")
             if self.on_forward is not None:
                 self.on_forward()
-            with set_forward_context(metadata):
-                hidden = self.model(ids_t, positions_t)
+            with set_forward_context(step.attn_metadata):
+                hidden = self.model(ids_t, step.positions_t)
         if timer is not None:
             timer.lap("forward")
-        batch.num_computed_tokens[rows] = seq_lens
 
+        req_ids = step.req_ids
         sampled_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs, logprobs_req_ids = None, []
         prompt_logprobs = {}
-        if batch.num_prompt_logprobs:
-            prompt_logprobs = self._prompt_logprobs(req_ids, rows, starts, cu_query, hidden)
-        if len(sample_rows):
-            logits = self.model.compute_logits(hidden[last_token_t] if gather else hidden)
+        for i, at, targets, k in step.prompt_logprobs:
+            logits = self.model.compute_logits(hidden[at[0] : at[1]])
+            targets_t = torch.from_numpy(targets).to(hidden.device)
+            prompt_logprobs[req_ids[i]] = compute_logprobs(logits, targets_t, k)
+        if meta is not None:
+            at = step.last_token_t
+            logits = self.model.compute_logits(hidden if at is None else hidden[at])
             if timer is not None:
                 timer.lap("logits")
-            if out.grammar_req_ids:
-                sampled_req_ids = [req_ids[i] for i in np.flatnonzero(done).tolist()]
-                apply_grammar_bitmask(logits, sampled_req_ids, out)
-            meta = batch.sampling_metadata(sample_rows, self.device)
+            sampling = np.flatnonzero(step.done).tolist()  # positions in req_ids
+            if step.out.grammar_req_ids:
+                apply_grammar_bitmask(logits, [req_ids[i] for i in sampling], step.out)
             sampled = self.sampler(logits, meta)
-            if batch.num_logprobs:  # from the raw logits, before any adjustment
-                wants = [i for i, r in enumerate(sample_rows.tolist()) if r in batch.num_logprobs]
-                if wants:
-                    k = max(batch.num_logprobs[int(sample_rows[i])] for i in wants)
-                    at = torch.tensor(wants, device=logits.device)
-                    logprobs = compute_logprobs(logits[at], sampled[at], k)
-                    logprobs_req_ids = [req_ids[i] for i in np.flatnonzero(done)[wants].tolist()]
+            if wants:  # from the raw logits, before any adjustment
+                at_t = torch.tensor(wants, device=logits.device)
+                logprobs = compute_logprobs(logits[at_t], sampled[at_t], top_k)
+                logprobs_req_ids = [req_ids[sampling[i]] for i in wants]
             tokens = sampled.cpu().numpy()
             batch.append_tokens(sample_rows, tokens)
-            for i, token in zip(np.flatnonzero(done).tolist(), tokens.tolist()):
+            for i, token in zip(sampling, tokens.tolist()):
                 sampled_ids[i] = [token]
         step_times = None
         if timer is not None:
@@ -281,19 +388,16 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _prompt_logprobs(
-        self,
-        req_ids: list[str],
-        rows: np.ndarray,
-        starts: np.ndarray,
-        cu_query: np.ndarray,
-        hidden: torch.Tensor,
-    ) -> dict[str, LogprobsArrays]:
+    def _prompt_logprob_chunks(
+        self, rows: np.ndarray, starts: np.ndarray, cu_query: np.ndarray
+    ) -> list[tuple[int, tuple[int, int], np.ndarray, int]]:
         """For the requests asking for prompt logprobs: each prompt position of this step's
-        chunk but the prompt's last predicts the next prompt token."""
+        chunk but the prompt's last predicts the next prompt token. Per such request: its
+        position in the step, its span of hidden states, the prompt tokens they predict, and
+        the top k asked for."""
         batch = self.input_batch
-        assert batch is not None and self.model is not None
-        result = {}
+        assert batch is not None
+        chunks = []
         for i, row in enumerate(rows.tolist()):
             k = batch.num_prompt_logprobs.get(row)
             if k is None:
@@ -305,11 +409,9 @@ class ModelRunner:
                 del batch.num_prompt_logprobs[row]  # the prompt is done
             if end <= start:
                 continue
-            at = torch.arange(cu_query[i], cu_query[i] + end - start, device=hidden.device)
-            targets = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1]).to(hidden.device)
-            logits = self.model.compute_logits(hidden[at])
-            result[req_ids[i]] = compute_logprobs(logits, targets, k)
-        return result
+            targets = batch.token_ids[row, start + 1 : end + 1].copy()
+            chunks.append((i, (int(cu_query[i]), int(cu_query[i]) + end - start), targets, k))
+        return chunks
 
 
 def apply_grammar_bitmask(
@@ -408,6 +510,34 @@ def _profile_sampling_metadata(rows: int, device: torch.device) -> SamplingMetad
     )
 
 
+@dataclass(eq=False)
+class _Step:
+    """A step as the host prepared it (ModelRunner._prepare), for its device part."""
+
+    out: SchedulerOutput
+    req_ids: list[str]  # in the step's order
+    rows: np.ndarray  # the batch's rows, in that order
+    token_rows: np.ndarray  # per scheduled token: its row and position
+    positions: np.ndarray
+    done: np.ndarray  # per request: whether it samples this step
+    sample_rows: np.ndarray
+    prompt_logprobs: list[tuple[int, tuple[int, int], np.ndarray, int]]
+    timer: _StepTimer | None
+    # Either the decode graphs' inputs (slot mapping, sequence lengths, block table), or the
+    # attention metadata and positions on the device.
+    graph_inputs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    attn_metadata: object = None
+    positions_t: torch.Tensor | None = None
+    last_token_t: torch.Tensor | None = None  # rows of the hidden states that sample
+    # Set once the device part has read the batch (the next step may then change it).
+    inputs_taken: threading.Event = field(default_factory=threading.Event)
+    future: Future | None = None
+
+
+def _empty_output() -> ModelRunnerOutput:
+    return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
 class _StepTimer:
     """Wall time of a step's stages; the device is synchronized at every lap, so that a
     stage's queued kernels count where they were launched."""
@@ -417,8 +547,11 @@ class _StepTimer:
         self.times: dict[str, float] = {}
         self.last = time.perf_counter()
 
-    def lap(self, stage: str) -> None:
-        if self.device.type == "cuda":
+    def restart(self) -> None:
+        self.last = time.perf_counter()
+
+    def lap(self, stage: str, synchronize: bool = True) -> None:
+        if synchronize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.times[stage] = self.times.get(stage, 0.0) + now - self.last

@@ -64,7 +64,7 @@ class Worker:
 
     def load_model(self) -> None:
         assert self.model_runner is not None
-        self.model_runner.load_model()
+        self.model_runner.on_device(self.model_runner.load_model)
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
         assert self.model_runner is not None
@@ -91,7 +91,7 @@ class Worker:
         assert self.model_runner is not None
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.model_runner.profile_run()
+        self.model_runner.on_device(self.model_runner.profile_run)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
@@ -113,11 +113,23 @@ class Worker:
         allocates `num_blocks` blocks in every layer."""
         assert self.model_runner is not None
         self.config = config
-        self.model_runner.initialize_kv_cache(config, num_blocks)
+        runner = self.model_runner
+        runner.on_device(lambda: runner.initialize_kv_cache(config, num_blocks))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """With async scheduling on CUDA this returns a Future of the output instead, once the
+        step is prepared and its forward queued (ModelRunner.submit_model): whoever serves the
+        call (the worker process, the in-process executor's thread) replies when it completes.
+        """
         assert self.model_runner is not None
+        if self.model_runner.overlap_steps:
+            return self.model_runner.submit_model(scheduler_output)  # type: ignore[return-value]
         return self.model_runner.execute_model(scheduler_output)
+
+    def close(self) -> None:
+        """Lets the runner's device thread end; never waits for it."""
+        if self.model_runner is not None:
+            self.model_runner.close()
 
     def describe_shards(self) -> dict[str, list[int]]:
         """The shape of every parameter this rank holds, and of one layer's KV cache under

@@ -5,8 +5,11 @@ It pulls calls from its own socket and pushes replies to the executor's (protoco
 joins the torch.distributed group, loads its shard of the weights (all ranks at once), and
 reports ready or the error that stopped it. Then it serves `collective_rpc` calls in order
 until told to shut down. A call that raises is answered with the error's text (and logged
-with its traceback here). The process exits on its own within a second of its parent's
-death, removing the executor's socket directory on the way out.
+with its traceback here). Replies leave from a thread of their own, in the calls' order: a
+step under async scheduling returns a Future once queued on the runner's device thread, and
+this process goes on to the next call while the reply waits for it. The process exits on its
+own within a second of its parent's death, removing the executor's socket directory on the way
+out.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import sys
+import threading
 import traceback
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -57,21 +63,43 @@ class WorkerProc:
         return True
 
     def serve(self) -> None:
-        while True:
-            frames = self.calls.recv_multipart(copy=False)
-            call = self.header_decoder.decode([frames[0].buffer])
-            if call.method == SHUTDOWN:
-                return
-            try:
-                args = self._decoder(call).decode([f.buffer for f in frames[1:]])
-                positional = args[: call.num_args]
-                keywords = dict(zip(call.kwarg_names, args[call.num_args :]))
-                result = getattr(self.worker, call.method)(*positional, **keywords)
-                if call.reply_rank is None or call.reply_rank == self.rank:
-                    self._reply(call.call_id, True, result)
-            except Exception as e:
-                logger.exception("worker rank %d: %s failed", self.rank, call.method)
-                self._reply(call.call_id, False, _error_text(e))
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        sender = threading.Thread(target=self._send, args=(replies,), daemon=True, name="replies")
+        sender.start()
+        try:
+            while True:
+                frames = self.calls.recv_multipart(copy=False)
+                call = self.header_decoder.decode([frames[0].buffer])
+                if call.method == SHUTDOWN:
+                    return
+                try:
+                    args = self._decoder(call).decode([f.buffer for f in frames[1:]])
+                    positional = args[: call.num_args]
+                    keywords = dict(zip(call.kwarg_names, args[call.num_args :]))
+                    result = getattr(self.worker, call.method)(*positional, **keywords)
+                    if call.reply_rank is None or call.reply_rank == self.rank:
+                        replies.put((call, result))
+                except Exception as e:
+                    logger.exception("worker rank %d: %s failed", self.rank, call.method)
+                    replies.put((call, e))
+        finally:
+            replies.put(None)
+            sender.join(timeout=5.0)  # the socket is closed after; never wait for ever
+
+    def _send(self, replies: queue.SimpleQueue) -> None:
+        """The replies' thread: sends each in turn, once its Future (if any) completes."""
+        while (item := replies.get()) is not None:
+            call, result = item
+            if isinstance(result, Future):
+                try:
+                    result = result.result()
+                except Exception as e:
+                    logger.exception("worker rank %d: %s failed", self.rank, call.method)
+                    result = e
+            if isinstance(result, Exception):
+                self._reply(call.call_id, False, _error_text(result))
+            else:
+                self._reply(call.call_id, True, result)
 
     def _decoder(self, call: RpcCall) -> Decoder:
         key = (call.method, call.num_args, tuple(call.kwarg_names))

@@ -2,8 +2,10 @@
 
 `collective_rpc` is a direct method call, so a step costs no serialization at all. Under
 async scheduling every call runs on one worker thread instead (in order, the worker's set-up
-included), so that the core schedules the next step while this one runs; the model's forward
-releases the GIL. The two threads share the GIL, so the core does its own work (the last
+included), so that the core schedules the next step while this one runs, and the runner runs
+each step's forward and sampling on a device thread of its own, so that the worker's thread
+prepares the next step meanwhile; the model's forward releases the GIL. The threads share the
+GIL, so the core does its own work (the last
 step's update, the next schedule) once the worker's next forward has started
 (`wait_for_forward`), not while the worker prepares that step's inputs. The external launcher
 (torchrun) reuses it with a worker that is one rank of the torchrun group.
@@ -11,25 +13,23 @@ step's update, the next schedule) once the worker's next forward has started
 
 from __future__ import annotations
 
-import queue
 import threading
 from concurrent.futures import Future
 from typing import Any
 
 from tokenmill.core.executor.base import Executor
+from tokenmill.protocol.threads import OrderedThread, chain
 
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.calls: queue.SimpleQueue | None = None
+        self.thread: OrderedThread | None = None
         if self.config.scheduler_config.async_scheduling:
-            # A daemon thread, so that a step still running never holds up the exit.
-            self.calls = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(self.calls,), daemon=True, name="worker").start()
+            self.thread = OrderedThread("worker")
         self.worker = self._run(self._make_worker).result()
         self.forwards = threading.Condition()
         self.num_forwards = 0  # steps whose forward has started
-        if self.calls is not None:
+        if self.thread is not None:
             self.worker.model_runner.on_forward = self._forward_started
 
     def _make_worker(self) -> Any:
@@ -41,11 +41,10 @@ class UniProcExecutor(Executor):
         return worker
 
     def _run(self, fn: Any) -> Future:
+        if self.thread is not None:
+            return self.thread.submit(fn)
         future: Future[Any] = Future()
-        if self.calls is not None:
-            self.calls.put((fn, future))
-        else:
-            future.set_result(fn())  # an exception propagates as it is
+        future.set_result(fn())  # an exception propagates as it is
         return future
 
     def collective_rpc(
@@ -59,32 +58,31 @@ class UniProcExecutor(Executor):
     ) -> Any:
         def call() -> Any:
             result = getattr(self.worker, method)(*args, **(kwargs or {}))
-            return result if unique_reply_rank is not None else [result]
+            if unique_reply_rank is not None:
+                return result
+            if isinstance(result, Future):  # a step whose device part is queued
+                listed: Future[Any] = Future()
+                chain(result, listed, lambda r: [r])
+                return listed
+            return [result]
 
         future = self._run(call)
         return future if non_block else future.result(timeout)
 
-    def _forward_started(self) -> None:  # on the worker's thread
+    def _forward_started(self) -> None:  # on the runner's device thread
         with self.forwards:
             self.num_forwards += 1
             self.forwards.notify_all()
 
     def wait_for_forward(self, step: int, timeout: float) -> None:
-        if self.calls is not None:
+        if self.thread is not None:
             with self.forwards:
                 self.forwards.wait_for(lambda: self.num_forwards >= step, timeout)
 
     def shutdown(self) -> None:
-        if self.calls is not None:
-            self.calls.put(None)  # the thread ends after the call it is running, if any
+        if self.thread is not None:
+            # Both only queue an end (the worker's for its runner's device thread, if any);
+            # the worker is dropped here, not on a thread that may outlive the interpreter.
+            self.worker.close()
+            self.thread.close()  # the thread ends after the call it is running, if any
         self.worker = None  # type: ignore[assignment]
-
-
-def _serve(calls: queue.SimpleQueue) -> None:
-    """The worker's thread: runs calls in order until it gets None."""
-    while (item := calls.get()) is not None:
-        fn, future = item
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # the caller re-raises it from future.result()
-            future.set_exception(e)
