@@ -12,10 +12,12 @@ the engine-core process does before sending them).
 With every stage run in turn, a step takes about forward + CPU work; async scheduling
 (scheduling step N+1 while step N runs) brings it towards max(forward, CPU work). The worker
 runs on a thread of the core's process (`--executor uni`) or in a process of its own
-(`--executor mp`, MultiprocExecutor; its stages then include the step's transport). "cpu/step"
-is the step's time outside the forward; "wait" is how long the core waited for the worker
-(async only). The worker's own stages (prepare, logits, sample) run in turn with its forward
-either way: the next forward needs the sampled tokens.
+(`--executor mp`, MultiprocExecutor; its stages then include the step's transport). "cpu work"
+is the sum of the CPU stages (all but forward and wait), "vs max" the step's time over
+max(forward, cpu work); "wait" is how long the core waited for the worker (async only). With
+async scheduling the worker prepares the next step while this one's forward runs, as on CUDA
+(see TOKENMILL_OVERLAP_STEPS), but forward, logits and sample still follow one another (the
+next forward needs the sampled tokens), so a step takes at least their sum.
 
     python scripts/bench_step_overlap.py [--requests 1 64 256] [--forward-ms 0.5 2 10]
         [--temperature 1.0] [--seeded] [--async-scheduling off on] [--executor uni mp]
@@ -31,6 +33,9 @@ import time
 from pathlib import Path
 
 os.environ["TOKENMILL_STEP_TIMING"] = "1"  # the engine times its stages (read at start-up)
+# The fake forward leaves the CPU free, as a GPU's does: with async scheduling the workers
+# overlap their steps as they do on CUDA (TOKENMILL_OVERLAP_STEPS=0 keeps them in turn).
+os.environ.setdefault("TOKENMILL_OVERLAP_STEPS", "1")
 
 import torch  # noqa: E402
 
@@ -179,12 +184,14 @@ def main() -> None:
                                 best[key] = s
                     finally:
                         core.shutdown()
-    header = ("executor", "async", "requests", "forward", "steps/s", "step", "cpu/step", *STAGES)
+    header = ("executor", "async", "requests", "forward", "steps/s", "step", "cpu work",
+              "vs max", *STAGES)  # fmt: skip
     print("| " + " | ".join(f"{h:>8}" for h in header) + " |")
     print("|" + "|".join("-" * 10 for _ in header) + "|")
     for (executor, mode, n, ms), s in best.items():
-        cpu = s["step"] - s["forward"]
+        cpu = sum(s[stage] for stage in STAGES if stage not in ("forward", "wait"))
         row = (executor, mode, n, ms, 1 / s["step"], 1e3 * s["step"], 1e3 * cpu,
+               s["step"] / max(s["forward"], cpu),
                *(1e3 * s[stage] for stage in STAGES))  # fmt: skip
         print("| " + " | ".join(f"{v:>8.2f}" if isinstance(v, float) else f"{v:>8}"
                                 for v in row) + " |")  # fmt: skip

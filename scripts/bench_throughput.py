@@ -29,7 +29,10 @@ stages (TOKENMILL_STEP_TIMING=1: the device is synchronized around each forward)
 where the last round's time went, per step.
 
 `--async-scheduling off on` runs one engine per setting (alternating, like the rounds; the
-default is the engine's own choice for the device).
+default is the engine's own choice for the device). On the CPU compare them in `mp` mode: an
+in-process engine with async scheduling runs its forward on a worker thread, and once two
+threads of a process have run torch ops libgomp's threads sleep between parallel regions
+(more threads than cores), which slows every engine of the process from then on.
 
 `--tensor-parallel-size 1 2` runs one engine per size (alternating, like the rounds); at TP > 1
 the ranks are worker processes that split this machine's cores and its KV cache budget.
