@@ -5,7 +5,9 @@
 #   2. greedy parity of tokenmill on CUDA (Triton backend, CUDA graphs) with HF transformers
 #      on random-weight models, CUDA graphs against eager, bf16 log-probabilities against HF,
 #      the Triton engine against the torch engine;
-#   3. async scheduling against in-turn steps (identical greedy outputs on a random model);
+#   3. async scheduling against in-turn steps (identical greedy outputs on a random model, the
+#      workers' steps overlapped as CUDA's default and in turn; batch rows reused safely; a
+#      clean exit after an in-process async engine);
 #   4. the fake-model step benchmark (a 2 ms sleeping forward, real input preparation and
 #      sampling on the GPU) with async scheduling off and on, in-process and across processes;
 #   5. W1 throughput on the Qwen3-0.6B shape with dummy weights, async scheduling off and on
@@ -32,7 +34,10 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider \
   tests/models/test_cuda.py \
   tests/models/test_triton_backend.py \
   "tests/models/test_hf_parity.py::test_random_model_greedy_matches_hf" \
-  "tests/models/test_async_scheduling.py::test_tiny_model_async_equals_sync[1]" \
+  "tests/models/test_async_scheduling.py::test_tiny_model_async_equals_sync[1-overlapped]" \
+  "tests/models/test_async_scheduling.py::test_tiny_model_async_equals_sync[1-steps-in-turn]" \
+  tests/models/test_async_scheduling.py::test_rows_reused_only_after_the_step_that_wrote_them \
+  tests/models/test_async_scheduling.py::test_process_exits_cleanly_after_in_process_async_engine \
   2>&1 | tee "$OUT/pytest.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
