@@ -77,8 +77,7 @@ class WorkerProc:
                     positional = args[: call.num_args]
                     keywords = dict(zip(call.kwarg_names, args[call.num_args :]))
                     result = getattr(self.worker, call.method)(*positional, **keywords)
-                    if call.reply_rank is None or call.reply_rank == self.rank:
-                        replies.put((call, result))
+                    replies.put((call, result))
                 except Exception as e:
                     logger.exception("worker rank %d: %s failed", self.rank, call.method)
                     replies.put((call, e))
@@ -87,7 +86,8 @@ class WorkerProc:
             sender.join(timeout=5.0)  # the socket is closed after; never wait for ever
 
     def _send(self, replies: queue.SimpleQueue) -> None:
-        """The replies' thread: sends each in turn, once its Future (if any) completes."""
+        """The replies' thread: sends each in turn, once its Future (if any) completes. Every
+        rank reports an error; a result goes out from the rank the call asked for (or all)."""
         while (item := replies.get()) is not None:
             call, result = item
             if isinstance(result, Future):
@@ -98,7 +98,7 @@ class WorkerProc:
                     result = e
             if isinstance(result, Exception):
                 self._reply(call.call_id, False, _error_text(result))
-            else:
+            elif call.reply_rank is None or call.reply_rank == self.rank:
                 self._reply(call.call_id, True, result)
 
     def _decoder(self, call: RpcCall) -> Decoder:
