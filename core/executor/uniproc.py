@@ -2,13 +2,13 @@
 
 `collective_rpc` is a direct method call, so a step costs no serialization at all. Under
 async scheduling every call runs on one worker thread instead (in order, the worker's set-up
-included), so that the core schedules the next step while this one runs, and the runner runs
-each step's forward and sampling on a device thread of its own, so that the worker's thread
-prepares the next step meanwhile; the model's forward releases the GIL. The threads share the
-GIL, so the core does its own work (the last
-step's update, the next schedule) once the worker's next forward has started
-(`wait_for_forward`), not while the worker prepares that step's inputs. The external launcher
-(torchrun) reuses it with a worker that is one rank of the torchrun group.
+included), so that the core schedules the next step while this one runs; the model's forward
+releases the GIL. With CUDA the runner also runs each step's forward and sampling on a device
+thread of its own, while the worker's thread prepares the next step (ModelRunner.submit_model).
+The threads share the GIL, so the core does its own work (the last step's update, the next
+schedule) once the worker's next forward has started (`wait_for_forward`), not while the
+worker prepares that step's inputs. The external launcher (torchrun) reuses it with a worker
+that is one rank of the torchrun group.
 """
 
 from __future__ import annotations
