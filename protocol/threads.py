@@ -27,6 +27,9 @@ class OrderedThread:
         self.calls.put((fn, future))
         return future
 
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
     def close(self) -> None:
         """The thread ends after the calls already submitted; this never waits for them."""
         self.calls.put(None)

@@ -197,7 +197,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:rows])
         self.sampler(logits, _profile_sampling_metadata(rows, self.device))
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Runs a step in turn: prepares it, runs it and returns its outputs."""
         step = self._prepare(out, defer_free=False)
@@ -215,13 +214,14 @@ class ModelRunner:
         last = self._in_flight
         running = False
         if last is not None:
-            last.inputs_taken.wait()  # it no longer reads what this step's apply() changes
+            # It no longer reads what this step's apply() changes.
+            self._wait_for_device(last.inputs_taken.wait)
             running = not last.future.done()
             if running and len(out.scheduled_new_reqs) > batch.num_reusable_rows():
-                wait([last.future])  # the rows it still writes are needed now
+                # The rows it still writes are needed now.
+                self._wait_for_device(lambda t: not wait([last.future], t).not_done)
                 running = False
-        with torch.inference_mode():
-            step = self._prepare(out, defer_free=running)
+        step = self._prepare(out, defer_free=running)
         if step is None:
             future: Future[ModelRunnerOutput] = Future()
             future.set_result(_empty_output())
@@ -230,12 +230,20 @@ class ModelRunner:
         self._in_flight = step
         return step.future
 
+    def _wait_for_device(self, done: Callable[[float], bool]) -> None:
+        """Waits for done(timeout) to hold, a second at a time, for as long as the device
+        thread lives (a step may rightly take long; a thread that ended never answers)."""
+        while not done(1.0):
+            if self._device_thread is None or not self._device_thread.alive():
+                raise RuntimeError("the model runner's device thread has ended")
+
     def close(self) -> None:
         """Ends the device thread after the steps already queued; never waits for them."""
         if self._device_thread is not None:
             self._device_thread.close()
             self._device_thread = None
 
+    @torch.inference_mode()
     def _prepare(self, out: SchedulerOutput, defer_free: bool) -> _Step | None:
         """The host's part of a step: the batch brought up to date and everything the forward
         needs but the input tokens (positions, slots, attention metadata). defer_free: a step
