@@ -19,7 +19,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, wait
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -47,12 +47,15 @@ _FORWARD_WAIT_S = 0.05  # the longest the core gives the next step to reach its 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
         self.executor = Executor.get_class(config)(config)
+        loaded = time.perf_counter()
         try:
             self.kv_sizing = self._initialize_kv_cache(config)
         except BaseException:
             self.executor.shutdown()
             raise
+        allocated = time.perf_counter()
         self.config = config.with_max_model_len(self.kv_sizing.max_model_len)
         self.scheduler = Scheduler(self.config, self.kv_sizing.num_blocks)
         # Under the torchrun launcher every rank schedules for itself: grammars compile in
@@ -71,6 +74,12 @@ class EngineCore:
         self.step_timing = envs.TOKENMILL_STEP_TIMING
         self.step_times: dict[str, float] = {}
         self.num_timed_steps = 0
+        # Seconds of start-up by stage (get_stats; scripts/startup_time.py prints them).
+        self.startup_s = {
+            "workers + model load": loaded - start,
+            "kv cache": allocated - loaded,
+            "scheduler + grammar": time.perf_counter() - allocated,
+        }
 
     def _initialize_kv_cache(self, config: EngineConfig) -> KVCacheSizing:
         specs = self.executor.get_kv_cache_specs()
@@ -289,7 +298,7 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
         )
 
-    def get_stats(self) -> dict[str, float | int]:
+    def get_stats(self) -> dict[str, Any]:
         """The scheduler stats every output carries (make_stats; the prefix-cache figures
         are token counts since start-up), plus the cache's size."""
         return {
@@ -297,6 +306,7 @@ class EngineCore:
             "num_blocks": self.kv_sizing.num_blocks,
             "block_size": self.kv_sizing.block_size,
             "max_model_len": self.config.model_config.max_model_len,
+            "startup_s": dict(self.startup_s),
             **(
                 {"step_time_s": dict(self.step_times), "num_timed_steps": self.num_timed_steps}
                 if self.step_timing

@@ -26,7 +26,7 @@ from typing import Any
 
 from tokenmill.frontend.core_client import AsyncMPClient, EngineDeadError
 from tokenmill.frontend.input_processor import PromptType, render_chat
-from tokenmill.frontend.llm_engine import make_processors
+from tokenmill.frontend.llm_engine import make_processors, preload_tokenizer
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs
@@ -58,6 +58,7 @@ class AsyncLLM:
         token = auth_token if auth_token is not None else envs.TOKENMILL_AUTH_TOKEN
         if engine_address is None:
             config = EngineArgs(model=model, **kwargs).create_engine_config()
+            tokenizer = preload_tokenizer(config, multiprocess=True)
             self.client = AsyncMPClient(config)
         else:
             if kwargs:
@@ -65,11 +66,12 @@ class AsyncLLM:
                     f"engine arguments {sorted(kwargs)} belong to the engine-core daemon at "
                     f"{engine_address}, not to a client that connects to it"
                 )
+            tokenizer = None
             self.client = AsyncMPClient(None, engine_address, token)
         self.config = self.client.engine_config
         self.model_config = self.config.model_config
         self.tokenizer, self.input_processor, self.output_processor = make_processors(
-            self.model_config
+            self.model_config, tokenizer
         )
         # Stat loggers get `on_request`, `on_abort` and `on_outputs` calls (frontend/metrics.py).
         self.stat_loggers = list(stat_loggers or [])

@@ -8,6 +8,8 @@ step's outputs and returns the RequestOutputs they update.
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 from tokenmill.frontend.core_client import EngineCoreClient
@@ -26,9 +28,38 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def make_processors(model_config: ModelConfig) -> tuple[Any, InputProcessor, OutputProcessor]:
-    """The tokenizer (None with skip_tokenizer_init) and the processors around it."""
-    tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+def preload_tokenizer(config: EngineConfig | None, multiprocess: bool) -> Future | None:
+    """Starts loading the tokenizer on a thread of its own while a spawned core starts up:
+    importing transformers takes about as long as the core's start-up (2-3 s), and the main
+    thread only waits for the core's handshake meanwhile. None where there is nothing to
+    overlap: a daemon's config comes with its handshake, and an in-process core would
+    import torch on the main thread beside it."""
+    if config is None or not multiprocess or config.model_config.skip_tokenizer_init:
+        return None
+    future: Future = Future()
+    path = config.model_config.tokenizer
+
+    def load() -> None:
+        try:
+            future.set_result(load_tokenizer(path))
+        except BaseException as e:  # raised where the result is taken
+            future.set_exception(e)
+
+    threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
+    return future
+
+
+def make_processors(
+    model_config: ModelConfig, preloaded: Future | None = None
+) -> tuple[Any, InputProcessor, OutputProcessor]:
+    """The tokenizer (None with skip_tokenizer_init; `preloaded`'s where one was started) and
+    the processors around it."""
+    if model_config.skip_tokenizer_init:
+        tokenizer = None
+    elif preloaded is not None:
+        tokenizer = preloaded.result()
+    else:
+        tokenizer = load_tokenizer(model_config.tokenizer)
     return tokenizer, InputProcessor(model_config, tokenizer), OutputProcessor(tokenizer)
 
 
@@ -43,12 +74,13 @@ class LLMEngine:
     ) -> None:
         """`config` builds the core (in this process or a spawned one); with
         `engine_address` the core is a running daemon and its handshake gives the config."""
+        tokenizer = preload_tokenizer(config, multiprocess and engine_address is None)
         self.client = EngineCoreClient.make_client(
             config, multiprocess, engine_address, auth_token, reconnect
         )
         self.config = self.client.engine_config
         self.tokenizer, self.input_processor, self.output_processor = make_processors(
-            self.config.model_config
+            self.config.model_config, tokenizer
         )
 
     @classmethod

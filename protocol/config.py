@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tokenmill.protocol.cpu_features import native_bf16
 from tokenmill.protocol.default_model import resolve_model
 
 _DTYPES = {
@@ -336,16 +339,28 @@ def resolve_device(device: str) -> str:
     _check(device in ("auto", "cpu", "cuda"), "device", device, '"auto", "cpu" or "cuda"')
     if device != "auto":
         return device
+    if not _may_have_cuda():
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _may_have_cuda() -> bool:
+    """False where torch cannot see a GPU: on Linux, no NVIDIA driver device node (nor WSL's
+    GPU node). Spares the frontend importing torch (1-2 s of start-up) on a CPU machine."""
+    if sys.platform != "linux":
+        return True
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"))
+
+
 def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> str:
     if dtype == "auto":
         if device == "cpu":
-            # bf16 matmuls are 3-5x slower than fp32 on CPUs without bf16 units.
-            return "float32"
+            # bf16 where the CPU multiplies bf16 natively (as vLLM's CPU backend chooses);
+            # elsewhere bf16 matmuls are emulated and 3-5x slower than fp32, and fp16 is
+            # slow on every CPU without AVX512-FP16.
+            return "bfloat16" if native_bf16() else "float32"
         declared = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
         return "bfloat16" if declared == "float32" else _DTYPES.get(declared, "bfloat16")
     _check(dtype in _DTYPES, "dtype", dtype, f'"auto" or one of {sorted(_DTYPES)}')

@@ -49,8 +49,10 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     "TOKENMILL_AUTH_TOKEN": lambda: os.environ.get("TOKENMILL_AUTH_TOKEN", ""),
     # The key `tokenmill serve` demands from HTTP clients when --api-key is not given.
     "TOKENMILL_API_KEY": lambda: os.environ.get("TOKENMILL_API_KEY", ""),
-    # Fraction of available RAM given to the KV cache on the CPU when no explicit
-    # kv_cache_memory_bytes is set.
+    # The KV cache on the CPU when no explicit kv_cache_memory_bytes is set: this many GiB
+    # (vLLM's VLLM_CPU_KVCACHE_SPACE default), at most TOKENMILL_CPU_KV_FRACTION of the
+    # available RAM. 4 GiB holds 93k tokens of SmolLM2 in fp32 (186k in bf16).
+    "TOKENMILL_CPU_KVCACHE_SPACE": _float("TOKENMILL_CPU_KVCACHE_SPACE", 4.0),
     "TOKENMILL_CPU_KV_FRACTION": _float("TOKENMILL_CPU_KV_FRACTION", 0.25),
     # 0 leaves glibc malloc's defaults alone on the CPU (see worker.keep_freed_memory).
     "TOKENMILL_CPU_MALLOC_TUNING": _bool("TOKENMILL_CPU_MALLOC_TUNING", True),

@@ -64,9 +64,15 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
         load_weights(model, _iter_safetensors(Path(model_config.model)))
     if device.type == "cpu":
         matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-        packed = pack_cpu_weights(matmuls)
+        packed, widened = pack_cpu_weights(matmuls)
         if packed < len(matmuls):
             logger.info("%d of %d matmul weights packed for oneDNN", packed, len(matmuls))
+        if widened:
+            logger.info(
+                "this CPU has no bf16 GEMM: %d bf16 matmul weights widened to fp32 (bf16 "
+                "activations and KV cache, fp32 matmuls)",
+                widened,
+            )
     return model.eval()
 
 

@@ -73,9 +73,10 @@ class Worker:
     def determine_available_memory(self) -> int:
         """Bytes this rank can give to its KV cache.
 
-        CPU: the host's budget, `kv_cache_memory_bytes` or else TOKENMILL_CPU_KV_FRACTION
-        (default 0.25) of the RAM psutil reports available, split evenly among the ranks on
-        this host. CUDA (per GPU, as in vLLM): `kv_cache_memory_bytes`, else profile the
+        CPU: the host's budget, `kv_cache_memory_bytes` or else TOKENMILL_CPU_KVCACHE_SPACE
+        GiB (default 4, as vLLM's CPU backend) but at most TOKENMILL_CPU_KV_FRACTION (default
+        0.25) of the RAM psutil reports available, split evenly among the ranks on this host.
+        CUDA (per GPU, as in vLLM): `kv_cache_memory_bytes`, else profile the
         largest step and take `total * gpu_memory_utilization` minus the peak torch allocation
         (weights + activations) and minus memory held outside torch (the CUDA context, other
         processes).
@@ -84,7 +85,12 @@ class Worker:
         if self.device.type == "cpu":
             budget = cache.kv_cache_memory_bytes
             if budget is None:
-                budget = int(psutil.virtual_memory().available * envs.TOKENMILL_CPU_KV_FRACTION)
+                budget = int(
+                    min(
+                        envs.TOKENMILL_CPU_KVCACHE_SPACE * (1 << 30),
+                        psutil.virtual_memory().available * envs.TOKENMILL_CPU_KV_FRACTION,
+                    )
+                )
             return budget // self.local_world_size
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes

@@ -1,5 +1,6 @@
-"""KV cache memory on the CPU: zero-filled and committed when allocated, so that writing blocks
-during steps faults in no pages."""
+"""KV cache memory on the CPU: zero-filled, and committed (on a thread of its own where the
+kernel allows) so that writing blocks during steps faults in no pages; what a step writes
+while the pages are committed stays written."""
 
 from __future__ import annotations
 
@@ -7,22 +8,43 @@ import resource
 
 import torch
 
-from tokenmill.worker.model_runner import zeroed_tensor
+from tokenmill.worker.model_runner import commit_pages, zeroed_tensor
+
+_SHAPE = (4096, 2, 16, 4, 64)  # 256 MiB of fp32: 65536 pages of 4 KiB, 128 huge pages
 
 
-def test_cpu_kv_tensor_is_zero_and_committed_at_allocation() -> None:
-    shape = (4096, 2, 16, 4, 64)  # 256 MiB of fp32: 65536 pages of 4 KiB, 128 huge pages
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    cache = zeroed_tensor(shape, torch.float32, torch.device("cpu"))
-    allocated = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_cpu_kv_tensor_is_zero_and_committed() -> None:
+    cache = zeroed_tensor(_SHAPE, torch.float32, torch.device("cpu"))
+    thread = commit_pages([cache])
+    if thread is not None:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    committed = _faults()
     # Writing every block afterwards faults in nothing: the pages were committed already
-    # (a lazily allocated tensor faults here once per page, or at least once per huge
-    # page).
+    # (a lazily allocated tensor faults here once per page, or at least once per huge page).
     cache[1:].fill_(1.0)
-    written = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    assert written - allocated < 64, (allocated - before, written - allocated)
-    assert cache.shape == shape and cache.dtype == torch.float32 and cache.is_contiguous()
+    assert _faults() - committed < 64, _faults() - committed
+    assert cache.shape == _SHAPE and cache.dtype == torch.float32 and cache.is_contiguous()
     assert not cache[0].any() and cache[1:].eq(1.0).all()
+
+
+def test_writes_made_while_pages_are_committed_survive() -> None:
+    caches = [zeroed_tensor(_SHAPE, torch.bfloat16, torch.device("cpu")) for _ in range(4)]
+    thread = commit_pages(caches)
+    # A step writing blocks while the commit runs (every 7th block of every layer).
+    for i, cache in enumerate(caches):
+        cache[::7].fill_(i + 1)
+    if thread is not None:
+        thread.join(timeout=60)
+    for i, cache in enumerate(caches):
+        assert cache[::7].eq(i + 1).all()
+        rest = torch.ones(_SHAPE[0], dtype=torch.bool)
+        rest[::7] = False
+        assert not cache[rest].any()
 
 
 def test_zeroed_tensor_other_dtypes_and_empty() -> None:
@@ -32,3 +54,4 @@ def test_zeroed_tensor_other_dtypes_and_empty() -> None:
     assert t.eq(2).all()
     empty = zeroed_tensor((0, 4), torch.float16, torch.device("cpu"))
     assert empty.shape == (0, 4)
+    assert commit_pages([empty]) is None

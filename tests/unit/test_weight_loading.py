@@ -134,7 +134,11 @@ def test_cpu_matmul_weights_packed_for_onednn_compute_the_same(dtype: torch.dtyp
         param.data = torch.randn(param.shape, generator=g).to(dtype)
     plain = {name: m.weight.detach().double() for name, m in
              (("column", column), ("row", row), ("head", head))}  # fmt: skip
-    assert pack_cpu_weights([column, row, head]) == 3
+    bf16_native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    packed, widened = pack_cpu_weights([column, row, head])
+    assert packed == 3
+    # Without a bf16 GEMM on this CPU, bf16 weights are widened to fp32 (and multiplied so).
+    assert widened == (3 if dtype == torch.bfloat16 and not bf16_native else 0)
     assert column.weight.is_mkldnn and row.weight.is_mkldnn and head.weight.is_mkldnn
     assert not embedding.weight.is_mkldnn  # the embedding still looks rows up
     assert column.weight.shape == (160, 96) and head.weight.shape == (300, 96)
@@ -149,6 +153,10 @@ def test_cpu_matmul_weights_packed_for_onednn_compute_the_same(dtype: torch.dtyp
         assert (row(h).double() - want).abs().max() < tol * want.abs().max()
         want = x.double() @ plain["head"].T
         assert (head(x).double() - want).abs().max() < tol * want.abs().max()
+        if widened:  # as torch's own bf16 GEMM (fp32 accumulation): within one bf16 step
+            ref = torch.nn.functional.linear(x, plain["column"].to(dtype), column.bias.to(dtype))
+            step = ref.double().abs().clamp(min=1e-3) * 2**-7
+            assert ((y.double() - ref.double()).abs() <= step).all()
     # A plain weight still runs through F.linear.
     w = torch.randn(5, 96, generator=g)
     assert torch.allclose(matmul(torch.ones(2, 96), w), torch.ones(2, 96) @ w.T, atol=1e-5)

@@ -1,0 +1,94 @@
+"""bf16 on the CPU against HF transformers, on SmolLM2's parity prompts.
+
+Greedy tokens match HF's bf16 `generate` one prompt at a time, except at a near-tie: where the
+outputs first differ, both tokens are HF's top two and their HF logits lie within two bf16
+steps of each other (a bf16 logit near 27 is a multiple of 0.125; every layer rounds its
+output to 8 significant bits, and our matmuls and attention sum in another order than HF's,
+so logits that close may swap). Log-probabilities (top 5 and the chosen token, per generated
+position) stay within LOGPROB_MAX of HF's fp32 ones, with a mean error within LOGPROB_MEAN
+and no larger than HF bf16's own error against fp32 (times 1.5, plus 0.02).
+
+Runs on any CPU: where the CPU has no bf16 GEMM the engine widens the weights to fp32 and
+multiplies bf16 activations exactly (worker/layers/linear.py), which HF's bf16 path computes
+with the same fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import smollm2_prompts
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 24
+K = 5
+LOGPROB_MAX = 0.75
+LOGPROB_MEAN = 0.1
+
+
+def bf16_step(value: float) -> float:
+    """The spacing of bf16 numbers around value (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-30))) - 7)
+
+
+def first_difference_is_a_near_tie(hf, prompt: list[int], ours: list[int], ref: list[int]) -> bool:
+    i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+    top2 = logits.topk(2)
+    gap = float(top2.values[0] - top2.values[1])
+    return set(top2.indices.tolist()) == {ours[i], ref[i]} and gap <= 2 * bf16_step(
+        float(top2.values[0])
+    )
+
+
+def test_smollm2_bf16_greedy_matches_hf_bf16_and_logprobs_stay_near_fp32(
+    smollm2_path: str,
+) -> None:
+    prompts = smollm2_prompts(AutoTokenizer.from_pretrained(smollm2_path))
+    llm = LLM(
+        smollm2_path,
+        dtype="bfloat16",
+        max_model_len=1024,
+        kv_cache_memory_bytes=128 << 20,
+        max_num_batched_tokens=128,  # the longest prompt is prefilled in chunks
+    )
+    try:
+        assert llm.llm_engine.config.model_config.dtype == "bfloat16"
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=K)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    near_ties = 0
+    ours_errors, hf_errors = [], []
+    for prompt, output in zip(prompts, outputs):
+        ours = output.outputs[0].token_ids
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        ref = ref[0, len(prompt) :].tolist()
+        if ours != ref:
+            assert first_difference_is_a_near_tie(hf, prompt, ours, ref), (ours, ref)
+            near_ties += 1
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + ours])
+            exact = hf32(ids).logits[0].float().log_softmax(-1)
+            hf_bf16 = hf(ids).logits[0].float().log_softmax(-1)
+        n = len(prompt)
+        for j, entry in enumerate(output.outputs[0].logprobs):
+            for token, lp in entry.items():
+                want = exact[n - 1 + j, token].item()
+                ours_errors.append(abs(lp.logprob - want))
+                hf_errors.append(abs(hf_bf16[n - 1 + j, token].item() - want))
+    assert near_ties <= len(prompts) // 2, near_ties
+    ours_mean = sum(ours_errors) / len(ours_errors)
+    hf_mean = sum(hf_errors) / len(hf_errors)
+    assert max(ours_errors) < LOGPROB_MAX, max(ours_errors)
+    assert ours_mean < LOGPROB_MEAN and ours_mean <= 1.5 * hf_mean + 0.02, (ours_mean, hf_mean)
