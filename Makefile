@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 # (CUDA builds of torch bring their own triton).
 TRITON_SPEC ?= triton==3.9.0
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench peers clean
 
 setup: $(STAMP)
 
@@ -33,8 +33,12 @@ run: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# The peers that are installed (`make peers`) run beside tokenmill; the others are named.
 bench: setup
-	$(PY) scripts/bench_throughput.py --compare hf --rounds 3
+	$(PY) scripts/bench_throughput.py --compare vllm llamacpp hf --rounds 3
+
+peers: setup
+	bash scripts/setup_peers.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

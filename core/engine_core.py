@@ -76,7 +76,7 @@ class EngineCore:
         self.num_timed_steps = 0
         # Seconds of start-up by stage (get_stats; scripts/startup_time.py prints them).
         self.startup_s = {
-            "workers + model load": loaded - start,
+            "workers + torch + model": loaded - start,
             "kv cache": allocated - loaded,
             "scheduler + grammar": time.perf_counter() - allocated,
         }

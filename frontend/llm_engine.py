@@ -7,7 +7,9 @@ step's outputs and returns the RequestOutputs they update.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -22,7 +24,28 @@ from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams
 logger = logging.getLogger(__name__)
 
 
+# tokenizer_config.json classes that AutoTokenizer builds as transformers' generic backend
+# over `tokenizers` (PreTrainedTokenizerFast is its name before transformers 5).
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str) -> Any:
+    """HF's tokenizer for a model folder. Where its tokenizer_config.json names the generic
+    backend (SmolLM2's does) that class is loaded directly: it is what AutoTokenizer builds,
+    but AutoTokenizer imports transformers' model registry and torch with it (4-6 s on 2
+    cores), the class alone 1.5 s."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            tokenizer_class = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        tokenizer_class = None
+    if tokenizer_class in _GENERIC_TOKENIZERS:
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # transformers 4 has no such module
+            pass
+        else:
+            return TokenizersBackend.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

