@@ -1,11 +1,12 @@
 """How long `LLM()` takes to be ready, and where the time goes.
 
 Starts the engine `--runs` times (each in a fresh process, as a user's script would), the
-default model by default, and prints per run: importing tokenmill, `LLM()` in all, and the
-engine core's own stages (its process start and imports, workers + model load, KV cache,
-scheduler). The frontend loads the tokenizer meanwhile, on a thread of its own; what the
-core's stages leave of `LLM()` is the spawn, the handshake and whatever of the tokenizer's
-load outlasted the core.
+default model by default, and prints per run: importing tokenmill, `LLM()` in all, the
+engine core's own stages (its process start and imports, its workers with torch's import and
+the model load, KV cache, scheduler), what those leave of `LLM()` (the spawn, the handshake
+and whatever of the tokenizer's load, on a thread of the frontend meanwhile, outlasted the
+core), and then how long a first short request takes (8 tokens; the KV cache's pages are
+still being committed on a thread of the worker then).
 
     python scripts/startup_time.py
     python scripts/startup_time.py --runs 5 --dtype bfloat16
@@ -22,14 +23,16 @@ import sys
 _CHILD = r"""
 import json, sys, time
 start = time.perf_counter()
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 imported = time.perf_counter()
 llm = LLM(**json.loads(sys.argv[1]))
 ready = time.perf_counter()
+llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+answered = time.perf_counter()
 stats = llm.get_stats()
 llm.shutdown()
 print(json.dumps({"import tokenmill": imported - start, "LLM()": ready - imported,
-                  "core": stats["startup_s"]}))
+                  "first request": answered - ready, "core": stats["startup_s"]}))
 """
 
 
@@ -54,12 +57,13 @@ def main() -> None:
             sys.exit(f"the engine failed to start:\n{done.stderr[-3000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     stages = list(rows[0]["core"])
-    columns = ["import tokenmill", "LLM()", *stages, "frontend rest"]
+    columns = ["import tokenmill", "LLM()", *stages, "frontend rest", "first request"]
     print("| run | " + " | ".join(columns) + " |")
     print("|" + "---|" * (len(columns) + 1))
     for i, row in enumerate(rows, 1):
         row["frontend rest"] = row["LLM()"] - sum(row["core"].values())
-        cells = [row["import tokenmill"], row["LLM()"], *row["core"].values(), row["frontend rest"]]
+        cells = [row["import tokenmill"], row["LLM()"], *row["core"].values(),
+                 row["frontend rest"], row["first request"]]  # fmt: skip
         print(f"| {i} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     totals = [r["import tokenmill"] + r["LLM()"] for r in rows]
     print(
