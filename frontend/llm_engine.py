@@ -24,6 +24,8 @@ from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams
 logger = logging.getLogger(__name__)
 
 
+_TOKENIZER_LOAD_TIMEOUT_S = 300  # loading reads a few MB from disk: seconds, never minutes
+
 # tokenizer_config.json classes that AutoTokenizer builds as transformers' generic backend
 # over `tokenizers` (PreTrainedTokenizerFast is its name before transformers 5).
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -80,7 +82,7 @@ def make_processors(
     if model_config.skip_tokenizer_init:
         tokenizer = None
     elif preloaded is not None:
-        tokenizer = preloaded.result()
+        tokenizer = preloaded.result(timeout=_TOKENIZER_LOAD_TIMEOUT_S)
     else:
         tokenizer = load_tokenizer(model_config.tokenizer)
     return tokenizer, InputProcessor(model_config, tokenizer), OutputProcessor(tokenizer)
@@ -97,7 +99,7 @@ class LLMEngine:
     ) -> None:
         """`config` builds the core (in this process or a spawned one); with
         `engine_address` the core is a running daemon and its handshake gives the config."""
-        tokenizer = preload_tokenizer(config, multiprocess and engine_address is None)
+        tokenizer = preload_tokenizer(config, multiprocess)
         self.client = EngineCoreClient.make_client(
             config, multiprocess, engine_address, auth_token, reconnect
         )

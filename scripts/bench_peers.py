@@ -180,7 +180,7 @@ def _say(message: dict) -> None:
     sys.stdout.flush()
 
 
-def _start_hf(model: str, dtype: str, load_format: str, threads: int):
+def _start_hf(model: str, dtype: str, load_format: str, threads: int, device: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -190,7 +190,7 @@ def _start_hf(model: str, dtype: str, load_format: str, threads: int):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=torch_dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
-    hf.eval()
+    hf = hf.to(device).eval()
 
     def run(prompts: list[list[int]], output_lens: list[int]) -> int:
         longest = max(len(p) for p in prompts)
@@ -202,8 +202,10 @@ def _start_hf(model: str, dtype: str, load_format: str, threads: int):
             mask[i, longest - len(p) :] = 1
         new = max(output_lens)
         with torch.inference_mode():
-            hf.generate(input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=pad)  # fmt: skip
+            hf.generate(input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                        min_new_tokens=new, do_sample=False, pad_token_id=pad)  # fmt: skip
+        if device == "cuda":
+            torch.cuda.synchronize()  # the run ends when the device does
         return sum(output_lens)
 
     return run
@@ -301,13 +303,14 @@ def child_main(argv: list[str]) -> None:
     parser.add_argument("--dtype", required=True)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--gguf", default=None)
+    parser.add_argument("--device", default="cpu", help="where HF runs (the others: the CPU)")
     args = parser.parse_args(argv)
     workload = json.loads(sys.stdin.readline())
     prompts, output_lens = workload["prompts"], workload["output_lens"]
     threads = int(os.environ.get("BENCH_THREADS") or os.cpu_count() or 1)
     try:
         if args.engine == "hf":
-            run = _start_hf(args.model, args.dtype, args.load_format, threads)
+            run = _start_hf(args.model, args.dtype, args.load_format, threads, args.device)
         elif args.engine == "vllm":
             run = _start_vllm(args.model, args.dtype, args.load_format, threads)
         else:

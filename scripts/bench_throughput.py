@@ -361,7 +361,8 @@ def start_peers(
         if device != "cpu" and name != "hf":
             print(f"{LABELS[name]}: measured on the CPU only here, left out")
             continue
-        extra = ["--model", model_path, "--dtype", dtype, "--load-format", args.load_format]
+        extra = ["--model", model_path, "--dtype", dtype, "--load-format", args.load_format,
+                 "--device", device]  # fmt: skip
         if name == "llamacpp":
             gguf = Path(args.llamacpp_gguf) if args.llamacpp_gguf else gguf_path(model_path, dtype)
             if not gguf.exists():

@@ -57,7 +57,6 @@ class ModelRunner:
         self.attn_backend = make_attention_backend(config, device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.kv_commit: threading.Thread | None = None  # pages of the cache being faulted in
         self.input_batch: InputBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.staging = HostStaging(device, torch.int64)  # the host's part of a step
@@ -118,7 +117,7 @@ class ModelRunner:
             attn.kv_cache = cache
             self.kv_caches.append(cache)
         if self.device.type == "cpu":
-            self.kv_commit = commit_pages(self.kv_caches)
+            commit_pages(self.kv_caches)
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs,
             config.model_config.max_model_len,
