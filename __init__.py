@@ -22,6 +22,8 @@ _PUBLIC = {
     "RequestOutputKind": "tokenmill.protocol.messages",
     "EngineArgs": "tokenmill.protocol.config",
     "EngineDeadError": "tokenmill.frontend.core_client",
+    "BeamSearchParams": "tokenmill.frontend.beam_search",
+    "BeamSearchOutput": "tokenmill.frontend.beam_search",
 }
 
 __all__ = sorted(_PUBLIC)

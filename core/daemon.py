@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from tokenmill.core.engine_core_proc import run_engine_core
+from tokenmill.core.engine_core_proc import BindError, run_engine_core
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import add_engine_args, engine_args_from
 from tokenmill.protocol.sockets import (
@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     input_address, output_address = split_address(args.address)
     ensure_private_ipc_dir(input_address)
     config = engine_args_from(args).create_engine_config()
-    run_engine_core(config, input_address, output_address, None, token)
+    try:
+        run_engine_core(config, input_address, output_address, None, token)
+    except BindError as e:  # one line, not a traceback: the address is the user's to fix
+        sys.exit(f"engine-core: {e}")
 
 
 if __name__ == "__main__":

@@ -98,21 +98,13 @@ class EngineCore:
 
     # ------------------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
-        if request.request_id in self.scheduler.requests or request.request_id in self._compiling:
+        if self.is_live(request.request_id):
             # An error output under this id would end the live request at its client.
             logger.warning("ignored a second request with the live id %r", request.request_id)
             return
         error = self._validate(request)
         if error is not None:
-            logger.warning("rejected request %s: %s", request.request_id, error)
-            self._rejected.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    finish_reason=FinishReason.ERROR,
-                    error=error,
-                )
-            )
+            self.reject_request(request.request_id, error)
             return
         core_request = Request(request, self.config.model_config.max_model_len)
         structured = request.sampling_params.structured_outputs
@@ -122,6 +114,26 @@ class EngineCore:
             self._compiling[request.request_id] = (core_request, future)
             return
         self.scheduler.add_request(core_request)
+
+    def reject_request(self, request_id: str, error: str) -> None:
+        """Ends a request that cannot run (it failed validation, or its message did not
+        decode) with an error output at the next step: no request ends unanswered."""
+        if self.is_live(request_id):
+            logger.warning("ignored a second request with the live id %r", request_id)
+            return
+        logger.warning("rejected request %s: %s", request_id, error)
+        self._rejected.append(
+            EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=error)
+        )
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether this request will still get an output (running, waiting, compiling its
+        grammar, or rejected with its error output not yet sent)."""
+        return (
+            request_id in self.scheduler.requests
+            or request_id in self._compiling
+            or any(out.request_id == request_id for out in self._rejected)
+        )
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar is ready join the scheduler; a grammar that failed to
@@ -158,6 +170,9 @@ class EngineCore:
         bad = [t for t in params.token_ids_used() if not 0 <= t < model.vocab_size]
         if bad:
             return f"sampling_params name token ids outside [0, {model.vocab_size}): {bad[:8]}"
+        bad = [t for t in request.eos_token_ids if not 0 <= t < model.vocab_size]
+        if bad:  # they are banned while min_tokens holds
+            return f"eos_token_ids holds ids outside [0, {model.vocab_size}): {bad[:8]}"
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -4,9 +4,12 @@ Three threads: the input thread receives and decodes client messages onto a queu
 thread runs the engine loop (block on the queue while idle, otherwise handle input, step,
 route outputs); the output thread encodes and sends, so that socket work overlaps the model
 step. Two ROUTER sockets are bound: input (clients' DEALERs send requests) and output (the
-same DEALER identities receive their own requests' outputs). A frame that does not decode is
-logged and dropped; it never stops the core. Started by a multiprocess client (spawned) or by
-the `engine-core` daemon.
+same DEALER identities receive their own requests' outputs). A message that does not decode
+never stops the core, and never loses a request unsaid: an ADD is read request by request,
+a request whose id can be read ends with an error output, and a sender whose requests cannot
+be read gets a REFUSED message; clients also compare their unfinished requests with the
+core's now and then (LIVE_REQUEST_IDS) and end the ones it does not hold. Started by a
+multiprocess client (spawned) or by the `engine-core` daemon.
 
 Clients that go away lose their requests: a client whose output socket is gone (seen when an
 output to it cannot be delivered), or, for a daemon, one that sends no heartbeat for
@@ -35,6 +38,7 @@ from tokenmill.core.engine_core import EngineCore
 from tokenmill.protocol.codec import DecodeError, Decoder, Encoder
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import (
+    LIVE_REQUEST_IDS,
     PROTOCOL_VERSION,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -42,10 +46,12 @@ from tokenmill.protocol.messages import (
     Hello,
     OutputType,
     Ready,
+    Refused,
     RequestType,
     StartupError,
     UtilityCall,
     UtilityResult,
+    describe_validation_error,
 )
 from tokenmill.protocol.process import close_sockets, remove_dir, watch_parent
 
@@ -61,12 +67,39 @@ _DECODERS = {
 }
 # Events the core's own threads put on the input queue (never sent by a client).
 _CLIENT_GONE = b"client-gone"
+_ADD_FAILED = b"add-failed"  # (request id, why) of requests in an ADD that did not decode
 _WORKERS_DEAD = b"workers-dead"
 
 CLIENT_TIMEOUT_S = 5.0  # a daemon's client that sends nothing for this long is gone
 _IDLE_WAKE_S = 1.0  # an idle loop still looks for silent clients this often
 _DEAD_LINGER_MS = 1000  # how long the last messages get to leave a dying core
 _STATS_INTERVAL_S = 1.0  # how often a client without outputs hears the scheduler stats
+
+
+class BindError(RuntimeError):
+    """An address the core cannot listen on (in use, or not this host's); says what holds a
+    port in use where the system tells."""
+
+    def __init__(self, address: str, error: zmq.ZMQError) -> None:
+        holder = _port_holder(address) if error.errno == zmq.EADDRINUSE else None
+        held = f"; held by {holder}" if holder else ""
+        super().__init__(f"cannot listen on {address}: {error.strerror}{held}")
+
+
+def _port_holder(address: str) -> str | None:
+    """The process listening on a tcp address's port, as "pid N (name)", if it can be seen."""
+    if not address.startswith("tcp://"):
+        return None
+    port = int(address.rsplit(":", 1)[1])
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                if conn.pid is None:
+                    return "another process"
+                return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+    except (psutil.Error, OSError):
+        return None
+    return None
 
 
 class EngineCoreProc:
@@ -83,13 +116,18 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[tuple[bytes, bytes, Any] | None] = queue.Queue()
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.ROUTER)
-        self.input_socket.bind(input_address)
         self.output_socket = self.ctx.socket(zmq.ROUTER)
         self.output_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # No send limit: a client that stops reading must not block the output thread (and
         # every other client with it); a daemon drops it once its heartbeats stop.
         self.output_socket.setsockopt(zmq.SNDHWM, 0)
-        self.output_socket.bind(output_address)
+        for socket, address in ((self.input_socket, input_address),
+                                (self.output_socket, output_address)):  # fmt: skip
+            try:
+                socket.bind(address)
+            except zmq.ZMQError as e:
+                close_sockets(self.ctx, [self.input_socket, self.output_socket])
+                raise BindError(address, e) from None
         self.clients: set[bytes] = set()
         # When each client was last heard from; only a daemon times its clients out (a
         # spawned core has one client, and exits with it).
@@ -140,13 +178,62 @@ class EngineCoreProc:
             decoder = _DECODERS.get(kind)
             if decoder is None or len(frames) < 3:
                 logger.warning("dropped a message of unknown type %r", kind[:8])
+                if kind == RequestType.ADD:
+                    self._send(identity, OutputType.REFUSED, Refused("an ADD without a body"))
                 continue
+            body = [f.buffer for f in frames[2:]]
             try:
-                payload = decoder.decode([f.buffer for f in frames[2:]])
+                payload = decoder.decode(body)
             except DecodeError as e:
-                logger.warning("dropped a malformed %r message: %s", kind, e)
+                logger.warning("malformed %r message: %s", kind, e)
+                if kind == RequestType.ADD:
+                    self._salvage_add(identity, body, e)
+                elif kind == RequestType.UTILITY:
+                    self._answer_bad_utility(identity, body, e)
                 continue
             self.input_queue.put((identity, kind, payload))
+
+    def _salvage_add(self, identity: bytes, body: list, error: Exception) -> None:
+        """An ADD that does not decode as a whole, read request by request: the ones that
+        decode are added, one whose id can be read ends with the decode error as its error
+        output, and the sender is told of any it cannot read (no request is lost unsaid)."""
+        try:
+            items = msgspec.msgpack.decode(body[0])
+        except (msgspec.DecodeError, ValueError, TypeError):
+            items = None
+        if not isinstance(items, list):
+            self._send(identity, OutputType.REFUSED, Refused(f"unreadable ADD message: {error}"))
+            return
+        good, failed, unreadable = [], [], []
+        for item in items:
+            try:
+                good.append(msgspec.convert(item, EngineCoreRequest))
+                continue
+            except msgspec.ValidationError as e:
+                why = describe_validation_error(e, item, EngineCoreRequest)
+            req_id = _request_id_of(item)
+            if req_id is None:
+                unreadable.append(why)
+            else:
+                failed.append((req_id, f"the request did not decode: {why}"))
+        if good:
+            self.input_queue.put((identity, RequestType.ADD, good))
+        if failed:
+            self.input_queue.put((identity, _ADD_FAILED, failed))
+        if unreadable:
+            message = f"{len(unreadable)} request(s) without a readable id: {unreadable[0]}"
+            self._send(identity, OutputType.REFUSED, Refused(message))
+
+    def _answer_bad_utility(self, identity: bytes, body: list, error: Exception) -> None:
+        """A utility call that does not decode is answered with the error (when its call id
+        can be read), so that its caller does not wait for its deadline."""
+        try:
+            item = msgspec.msgpack.decode(body[0])
+        except (msgspec.DecodeError, ValueError, TypeError):
+            return
+        if isinstance(item, list) and item and type(item[0]) is int:
+            result = UtilityResult(item[0], error=f"the utility call did not decode: {error}")
+            self._send(identity, OutputType.UTILITY_RESULT, result)
 
     def _output_loop(self) -> None:
         encoder = Encoder()
@@ -242,7 +329,13 @@ class EngineCoreProc:
             return
         # Request ids are the clients' own: inside the core they are prefixed with the
         # client's identity, so that two clients may use the same id.
-        if kind == RequestType.ADD:
+        if kind == _ADD_FAILED:
+            for req_id, error in payload:
+                scoped = _scoped(identity, req_id)
+                if not self.core.is_live(scoped):
+                    self.request_owner[scoped] = identity
+                self.core.reject_request(scoped, error)
+        elif kind == RequestType.ADD:
             for request in payload:
                 # A reused live id maps to the same owner, and EngineCore ignores the request
                 # without an output, so the live request's routing stays as it was.
@@ -255,6 +348,8 @@ class EngineCoreProc:
             for req_id in scoped:
                 self.request_owner.pop(req_id, None)
             self.stats_dirty = True
+        elif kind == RequestType.UTILITY and payload.method == LIVE_REQUEST_IDS:
+            self._send(identity, OutputType.UTILITY_RESULT, self._live_ids(identity, payload))
         elif kind == RequestType.UTILITY:
             self._send(identity, OutputType.UTILITY_RESULT, self._utility(payload))
 
@@ -286,6 +381,22 @@ class EngineCoreProc:
             return UtilityResult(call.call_id, result=result)
         except Exception as e:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _live_ids(self, identity: bytes, call: UtilityCall) -> UtilityResult:
+        """The client's requests that will still get an output. An owner entry the core no
+        longer knows (which no path should leave) is dropped: the client then ends that
+        request with an error instead of waiting."""
+        assert self.core is not None
+        live = []
+        for req_id, owner in list(self.request_owner.items()):
+            if owner != identity:
+                continue
+            if self.core.is_live(req_id):
+                live.append(req_id[_SCOPE_LEN:])
+            else:
+                logger.error("request %s had an owner but no state in the core", req_id)
+                del self.request_owner[req_id]
+        return UtilityResult(call.call_id, result=live)
 
     def _route(self, outputs: EngineCoreOutputs) -> None:
         per_client: dict[bytes, list] = {}
@@ -367,6 +478,18 @@ class EngineCoreProc:
 
 
 _SCOPE_LEN = 17  # 16 hex digits of the client's 8-byte identity, then "/"
+
+
+def _request_id_of(item: Any) -> str | None:
+    """The id of a request that did not decode, if it can be read (requests travel as
+    arrays, id first; a dict with a request_id is read too)."""
+    if isinstance(item, list) and item:
+        req_id = item[0]
+    elif isinstance(item, dict):
+        req_id = item.get("request_id")
+    else:
+        return None
+    return req_id if isinstance(req_id, str) else None
 
 
 def _scoped(identity: bytes, request_id: str) -> str:

@@ -8,10 +8,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
+    import tokenmill
     from tokenmill.frontend.server.app import __doc__ as serve_doc
     from tokenmill.frontend.server.app import add_serve_args, serve
 
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tokenmill {tokenmill.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser(
         "serve",

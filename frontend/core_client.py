@@ -7,7 +7,11 @@ DEALER socket, and a background thread receives outputs and utility results and 
 heartbeat every second. `AsyncMPClient` does the same from an asyncio event loop, which reads
 the output socket itself (no thread).
 If the core dies (it says why in a last message, or its process or connection is seen gone),
-every pending and later call raises `EngineDeadError` instead of hanging. Shutting down
+every pending and later call raises `EngineDeadError` instead of hanging. While the core
+lives, every request sent gets a final output: the client keeps the ids of its unfinished
+requests and now and then asks the core which of them it holds (`_audit`); one that was sent
+before the question and is missing from the answer was lost on the way (a message the core
+could not read, say) and gets an error output here. Shutting down
 never waits without a deadline, also when it runs as a garbage collector's finalizer.
 """
 
@@ -34,13 +38,17 @@ import zmq.asyncio
 from tokenmill.protocol.codec import DecodeError, Decoder, Encoder
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import (
+    LIVE_REQUEST_IDS,
     PROTOCOL_VERSION,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
+    FinishReason,
     Hello,
     OutputType,
     Ready,
+    Refused,
     RequestType,
     StartupError,
     UtilityCall,
@@ -56,6 +64,9 @@ CONNECT_TIMEOUT_S = 30.0  # a running daemon answers a hello at once
 RECONNECT_TIMEOUT_S = 60.0  # how long a reconnecting client waits for a restarted daemon
 UTILITY_TIMEOUT_S = 60.0  # a utility call (get_stats, ...) that gets no answer fails
 HEARTBEAT_INTERVAL_S = 1.0  # well inside the daemon's CLIENT_TIMEOUT_S
+# How often a client with unfinished requests asks the core which of them it holds
+# (LIVE_REQUEST_IDS); one the core does not hold is ended with an error output.
+AUDIT_INTERVAL_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -178,7 +189,16 @@ class MPClient:
         # A daemon has no process handle to watch: a dropped connection is how it dies.
         self.monitor = self.output_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.encoder = Encoder()
-        self.send_lock = threading.Lock()  # a heartbeat or output thread sends too
+        # A heartbeat or output thread sends too; re-entrant, as a send of requests also
+        # records them (see _audit).
+        self.send_lock = threading.RLock()
+        # Requests sent without a final output yet, and the audits in flight: call id -> the
+        # unfinished ids when it was sent (all of them sent before it, so the core has read
+        # them when it answers).
+        self.unfinished: dict[str, None] = {}
+        self.audits: dict[int, set[str]] = {}
+        self.next_audit = 0.0
+        self.refusal: str | None = None  # the core's last REFUSED message
         self.call_ids = itertools.count()
         self.dead: str | None = None
         self.stop_thread = threading.Event()
@@ -201,6 +221,7 @@ class MPClient:
             OutputType.OUTPUTS: Decoder(EngineCoreOutputs),
             OutputType.UTILITY_RESULT: Decoder(UtilityResult),
             OutputType.ENGINE_DEAD: Decoder(EngineDead),
+            OutputType.REFUSED: Decoder(Refused),
         }
         self.next_heartbeat = 0.0
 
@@ -263,6 +284,55 @@ class MPClient:
             with contextlib.suppress(zmq.Again):
                 self._send_raw([RequestType.HEARTBEAT], zmq.NOBLOCK)
 
+    def _audit(self) -> None:
+        """Asks the core which unfinished requests it holds, when that is due (every
+        AUDIT_INTERVAL_S while there are any; at once after a REFUSED message)."""
+        now = time.monotonic()
+        if now < self.next_audit or self.dead is not None:
+            return
+        self.next_audit = now + AUDIT_INTERVAL_S
+        with self.send_lock:
+            if not self.unfinished:
+                return
+            call_id = next(self.call_ids)
+            self.audits[call_id] = set(self.unfinished)
+            with contextlib.suppress(zmq.Again):
+                self._send(RequestType.UTILITY, UtilityCall(call_id, LIVE_REQUEST_IDS), zmq.NOBLOCK)
+
+    def _on_audit(self, result: UtilityResult) -> EngineCoreOutputs | None:
+        """Error outputs for the requests the audit found lost (None if there are none)."""
+        asked = self.audits.pop(result.call_id)
+        if result.error is not None or not isinstance(result.result, list):
+            logger.warning("the engine core could not list its requests: %s", result.error)
+            return None
+        live = set(result.result)
+        refusal, self.refusal = self.refusal, None  # it explains this audit's losses only
+        with self.send_lock:
+            lost = [req_id for req_id in asked if req_id in self.unfinished and req_id not in live]
+            for req_id in lost:
+                del self.unfinished[req_id]
+        if not lost:
+            return None
+        why = refusal or "the engine core holds no such request"
+        logger.error("%d request(s) lost on the way to the engine core: %s", len(lost), why)
+        error = f"the request was lost on the way to the engine core: {why}"
+        ended = FinishReason.ERROR
+        outs = [EngineCoreOutput(r, [], finish_reason=ended, error=error) for r in lost]
+        return EngineCoreOutputs(outs, time.monotonic())
+
+    def _on_refused(self, refused: Refused) -> None:
+        logger.warning("the engine core refused requests: %s", refused.message)
+        self.refusal = refused.message
+        self.next_audit = 0.0  # the lost requests are found by the next audit
+
+    def _finished(self, outputs: EngineCoreOutputs) -> None:
+        """Forgets the requests these outputs end."""
+        ended = [out.request_id for out in outputs.outputs if out.finished]
+        if ended:
+            with self.send_lock:
+                for req_id in ended:
+                    self.unfinished.pop(req_id, None)
+
     def _process_died(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             self._die(f"engine core process died (exit code {self.proc.returncode})")
@@ -280,14 +350,21 @@ class MPClient:
         with self.send_lock:
             self.input_socket.send_multipart(frames, flags, copy=False)
 
-    def _send(self, kind: bytes, payload: Any) -> None:
-        self._send_raw([kind, *self.encoder.encode(payload)])
+    def _send(self, kind: bytes, payload: Any, flags: int = 0) -> None:
+        with self.send_lock:  # the encoder is not thread-safe either
+            self._send_raw([kind, *self.encoder.encode(payload)], flags)
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._check_alive()
-        self._send(RequestType.ADD, requests)
+        with self.send_lock:  # recorded and sent before any audit can ask for them
+            for request in requests:
+                self.unfinished[request.request_id] = None
+            self._send(RequestType.ADD, requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        with self.send_lock:
+            for req_id in request_ids:
+                self.unfinished.pop(req_id, None)
         if self.dead is None and request_ids:
             self._send(RequestType.ABORT, list(request_ids))
 
@@ -326,6 +403,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
         if self.dead is not None:
             return False
         self._heartbeat()
+        self._audit()
         ready = dict(self._poller.poll(200))
         # Messages first: a dying core's last word (why it died) arrives before its socket
         # is seen to close.
@@ -341,11 +419,19 @@ class SyncMPClient(MPClient, EngineCoreClient):
         if isinstance(message, EngineDead):
             self._die(f"the engine core died: {message.cause}")
             return False
-        if isinstance(message, UtilityResult):
+        if isinstance(message, UtilityResult) and message.call_id in self.audits:
+            lost = self._on_audit(message)
+            if lost is not None:
+                self._track(lost)
+                self.outputs.put(lost)
+        elif isinstance(message, UtilityResult):
             waiter = self.utility_results.get(message.call_id)
             if waiter is not None:
                 waiter.put(message)
+        elif isinstance(message, Refused):
+            self._on_refused(message)
         elif message is not None:
+            self._finished(message)
             self._track(message)
             self.outputs.put(message)
         return True
@@ -384,6 +470,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
                     _continuation(req, produced) for req, produced in self.in_flight.values()
                 ]
                 self.in_flight = {r.request_id: (r, []) for r in resubmitted}
+                self.audits.clear()  # asked of the core that went away: never answered
             if resubmitted:
                 self._send(RequestType.ADD, resubmitted)
             logger.warning("reconnected; resubmitted %d unfinished requests", len(resubmitted))
@@ -403,7 +490,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
             with self.send_lock:
                 for request in requests:
                     self.in_flight[request.request_id] = (request, [])
-        self._send(RequestType.ADD, requests)
+        super().add_requests(requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if self.reconnect:
@@ -514,11 +601,18 @@ class AsyncMPClient(MPClient):
         assert self.outputs is not None
         if isinstance(message, EngineDead):
             self._die(f"the engine core died: {message.cause}")
+        elif isinstance(message, UtilityResult) and message.call_id in self.audits:
+            lost = self._on_audit(message)
+            if lost is not None:
+                self.outputs.put_nowait(lost)
         elif isinstance(message, UtilityResult):
             future = self.utility_futures.get(message.call_id)
             if future is not None and not future.done():
                 future.set_result(message)
+        elif isinstance(message, Refused):
+            self._on_refused(message)
         elif message is not None:
+            self._finished(message)
             self.outputs.put_nowait(message)
 
     async def _watch_process(self) -> None:
@@ -577,6 +671,7 @@ def _heartbeat_thread(client_ref: weakref.ref[AsyncMPClient], stop: threading.Ev
         if client is None or client.dead is not None:
             return
         client._heartbeat()
+        client._audit()
         del client
 
 

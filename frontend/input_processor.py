@@ -2,8 +2,9 @@
 
 Accepts a string or vLLM's token form `{"prompt_token_ids": [...]}` (optionally with
 "prompt"), tokenizes, checks what can be checked before the request leaves this process
-(length against max_model_len, token ids against the vocabulary), and stamps the model's EOS
-ids. Called by LLMEngine (and AsyncLLM) for every request.
+(length against max_model_len, token ids against the vocabulary, every field's type as the
+core will decode it), and stamps the model's EOS ids. Called by LLMEngine (and AsyncLLM)
+for every request.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Union
 import msgspec
 
 from tokenmill.protocol.config import ModelConfig
-from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams
+from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams, check_request
 
 PromptType = Union[str, dict[str, Any]]
 
@@ -38,6 +39,7 @@ class InputProcessor:
             )
         text, token_ids = self._tokenize(prompt)
         config = self.model_config
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, config.max_model_len)
         if not token_ids:
             raise ValueError(f"the prompt of request {request_id!r} is empty")
         if len(token_ids) > config.max_model_len:
@@ -60,7 +62,9 @@ class InputProcessor:
             arrival_time=time.time(),
             priority=priority,
         )
-        return request, text
+        # Every field as the core will decode it: an ill-typed one fails here, by name,
+        # instead of in the core.
+        return check_request(request), text
 
     def _resolve_sampling(self, params: SamplingParams) -> SamplingParams:
         """Checks token ids against the vocabulary and turns bad_words into token sequences
@@ -96,6 +100,10 @@ class InputProcessor:
                 sequences.append(spaced)
         return msgspec.structs.replace(params, bad_words_token_ids=sequences)
 
+    def prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        """The prompt's token ids (a text prompt tokenized), unchecked."""
+        return self._tokenize(prompt)[1]
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -108,6 +116,14 @@ class InputProcessor:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         kind = type(prompt).__name__
         raise TypeError(f'a prompt must be a string or {{"prompt_token_ids": [...]}}, got {kind}')
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The last `keep` prompt tokens (-1: the last max_model_len); all of them for None."""
+    if keep is None:
+        return token_ids
+    keep = max_model_len if keep == -1 else keep
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
 
 def render_chat(

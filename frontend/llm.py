@@ -5,7 +5,8 @@ engine-core process (`multiprocess=False` or TOKENMILL_MULTIPROC=0: in this proc
 `LLM(engine_address=...)` connects to a running `engine-core` daemon;
 `generate(prompts, sampling_params)` submits everything, steps the engine until every
 request is finished, and returns RequestOutputs in prompt order; `chat(messages, ...)`
-applies the model's chat template first.
+applies the model's chat template first; `beam_search(prompts, BeamSearchParams(...))`
+runs vLLM's beam search.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Union
 import msgspec
 from tqdm.auto import tqdm
 
+from tokenmill.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.frontend.input_processor import PromptType, render_chat
 from tokenmill.frontend.llm_engine import LLMEngine
 from tokenmill.frontend.outputs import RequestOutput
@@ -108,6 +110,36 @@ class LLM:
                 render_chat(tokenizer, conversation, chat_template, add_generation_prompt)
             )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the best `params.beam_width` sequences (prompt
+        included in `tokens` and `text`), best first (see frontend/beam_search.py)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        config = engine.config.model_config
+        eos = frozenset(config.eos_token_ids)
+        tokenize = engine.input_processor.prompt_token_ids
+        searches = [BeamSearch(tokenize(p), params, eos, config.max_model_len) for p in prompts]
+        step = searches[0].step_params() if searches else None
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
+            batch = [(s, beam) for s in searches for beam in s.live()]
+            if not batch:
+                break
+            outputs = self.generate(
+                [{"prompt_token_ids": beam.tokens} for _, beam in batch], step, use_tqdm=False
+            )
+            start = 0
+            for search in searches:
+                n = len(search.live())
+                search.advance(outputs[start : start + n])
+                start += n
+        return [s.result(engine.tokenizer) for s in searches]
 
     def _run(
         self,

@@ -8,6 +8,7 @@ engine-core CLI); read by EngineCore, the scheduler, executors, workers and mode
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -437,6 +438,60 @@ def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(source) if isinstance(source, list) else (int(source),)
 
 
+# What each engine flag does, for --help (vLLM's meanings).
+ENGINE_ARG_HELP = {
+    "model": "model folder, or the default model's name (SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer folder (default: the model's)",
+    "skip_tokenizer_init": "no tokenizer: prompts are token ids, outputs carry no text",
+    "max_logprobs": "the most logprobs / prompt_logprobs a request may ask for; -1: no cap",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 on CUDA, on the CPU where it "
+    "has bf16 instructions, else fp32)",
+    "seed": "the engine's random seed (requests without a seed draw from it)",
+    "max_model_len": "the longest context (prompt + output); default the model's, -1 fits "
+    "the KV cache",
+    "block_size": "tokens per KV cache block",
+    "max_num_seqs": "the most requests running at once",
+    "max_num_batched_tokens": "the token budget of one step (default by device)",
+    "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",
+    "enable_chunked_prefill": "split long prompts across steps, beside running decodes",
+    "long_prefill_token_threshold": "a prompt chunk is capped at this many tokens (0: no cap)",
+    "scheduling_policy": "fcfs or priority (lower priority values first)",
+    "async_scheduling": "schedule step N+1 while step N runs (default: on with CUDA)",
+    "num_gpu_blocks_override": "this many KV blocks instead of what memory allows",
+    "kv_cache_memory_bytes": "bytes for the KV cache instead of the memory fraction",
+    "gpu_memory_utilization": "fraction of device memory the engine may use",
+    "tensor_parallel_size": "ranks the model is sharded across",
+    "distributed_executor_backend": "uni, mp or external_launcher (torchrun)",
+    "load_format": "auto (the checkpoint) or dummy (random weights)",
+    "device": "auto, cpu or cuda",
+    "attention_backend": "TRITON_ATTN or TORCH_SDPA (default by device)",
+    "enforce_eager": "no CUDA graphs",
+    "cudagraph_capture_sizes": "the batch sizes CUDA graphs are captured for",
+}
+
+
+class _BooleanFlag(argparse.Action):
+    """`--flag` (true), `--flag VALUE` (true/false/1/0/...) and `--no-flag` (false), as vLLM
+    spells its boolean engine arguments."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        negated = [f"--no-{s[2:]}" for s in option_strings if s.startswith("--")]
+        super().__init__([*option_strings, *negated], dest, nargs="?", **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        if option is not None and option.startswith("--no-"):
+            if values is not None:
+                parser.error(f"{option} takes no value")
+            setattr(namespace, self.dest, False)
+        elif values is None:
+            setattr(namespace, self.dest, True)
+        else:
+            try:
+                setattr(namespace, self.dest, _parse_bool(values))
+            except argparse.ArgumentTypeError as e:
+                parser.error(f"{option}: {e}")
+
+
 def add_engine_args(parser: Any) -> None:
     """Adds every EngineArgs field to an argparse parser as a flag (`--max-model-len`, ...):
     one definition for `LLM(...)`, the engine-core daemon and the server."""
@@ -448,14 +503,17 @@ def add_engine_args(parser: Any) -> None:
         hint = hints[f.name]
         members = typing.get_args(hint) or (hint,)
         lists = [m for m in members if typing.get_origin(m) is list]
+        helptext = ENGINE_ARG_HELP[f.name] + f" (default: {f.default})"
         if hint is bool or bool in members:  # bool | None: unset means the default
-            parser.add_argument(flag, type=_parse_bool, default=f.default, metavar="BOOL")
+            parser.add_argument(
+                flag, action=_BooleanFlag, default=f.default, metavar="BOOL", help=helptext
+            )
         elif lists:  # list[int]: space-separated values
             (item,) = typing.get_args(lists[0])
-            parser.add_argument(flag, type=item, nargs="+", default=f.default)
+            parser.add_argument(flag, type=item, nargs="+", default=f.default, help=helptext)
         else:
             kind = int if int in members else float if float in members else str
-            parser.add_argument(flag, type=kind, default=f.default)
+            parser.add_argument(flag, type=kind, default=f.default, help=helptext)
 
 
 def engine_args_from(namespace: Any) -> EngineArgs:
@@ -470,6 +528,4 @@ def _parse_bool(value: str) -> bool:
         return True
     if value.lower() in ("0", "false", "no", "off"):
         return False
-    import argparse
-
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json as _json
+import re
 from typing import Optional, Union
 
 import msgspec
@@ -18,6 +19,8 @@ from tokenmill.protocol.config import EngineConfig
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
+# The most samples one request may ask for: each is a request of its own in the engine.
+MAX_N = 1024
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -109,6 +112,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
     prompt_logprobs: Optional[int] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Keep only the last k prompt tokens (-1: the last max_model_len), applied by the
+    # frontend before the request leaves it (vLLM's semantics).
+    truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,8 +141,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
         def fail(name: str, expected: str) -> None:
             raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", "a positive integer")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            fail("n", f"an integer in [1, {MAX_N}]")
         if not self.temperature >= 0.0:
             fail("temperature", "non-negative")
         if not 0.0 < self.top_p <= 1.0:
@@ -170,6 +176,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
             or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):
             fail("allowed_token_ids", "a non-empty list of token ids")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or k < -1 or k == 0):
+            fail("truncate_prompt_tokens", "-1 (max_model_len) or a positive integer")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < -1):
@@ -249,6 +258,76 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
 
 
+def check_request(request: EngineCoreRequest) -> EngineCoreRequest:
+    """The request as the engine core will decode it, or a ValueError that names the bad
+    field's path and value. A Struct's constructor does not check types, so an ill-typed
+    field (a dict where a regex string belongs, say) would otherwise leave the frontend and
+    fail to decode in the core; one round trip through builtins runs the decoder's own
+    checks (and __post_init__) here instead."""
+    data = msgspec.to_builtins(request)
+    try:
+        checked = msgspec.convert(data, EngineCoreRequest)
+    except msgspec.ValidationError as e:
+        raise ValueError(describe_validation_error(e, data, EngineCoreRequest)) from None
+    where = _int_out_of_range(data, list(EngineCoreRequest.__struct_fields__))
+    if where is not None:  # msgpack carries 64-bit integers only
+        raise ValueError(f"{where[0]}: {where[1]} does not fit in 64 bits")
+    return checked
+
+
+def _int_out_of_range(value: object, names: list[str] | None = None, path: str = "") -> tuple:
+    """(path, value) of the first integer msgpack cannot carry, or None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if -(2**63) <= value < 2**64 else (path or "value", value)
+    if isinstance(value, dict):
+        items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+        items += [(f"{path}.{k}" if path else str(k), k) for k in value if isinstance(k, int)]
+    elif isinstance(value, list):
+        items = [(names[i] if names else f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for where, item in items:
+        found = _int_out_of_range(item, None, where)
+        if found is not None:
+            return found
+    return None
+
+
+def describe_validation_error(error: msgspec.ValidationError, data: object, type_: type) -> str:
+    """msgspec's message with its `$[i]...` path spelt with field names and the value found
+    there: "sampling_params.structured_outputs.regex: Expected `str | null`, got `object`
+    (value: {'a': 1})"."""
+    text = str(error)
+    message, sep, path = text.rpartition(" - at `")
+    if not sep:
+        return text
+    steps = re.findall(r"\.([^.\[]+)|\[(\d+)\]", path.rstrip("`").removeprefix("$"))
+    names, value, fields, found = [], data, getattr(type_, "__struct_fields__", None), True
+    for key, index in steps:
+        if index and isinstance(value, list) and fields is not None and not names:
+            names.append(fields[int(index)])  # the top-level struct travels as an array
+        else:
+            names.append(key or f"[{index}]")
+        try:
+            value = value[int(index)] if index else value[key]  # type: ignore[index]
+        except (LookupError, TypeError, ValueError):
+            found = False
+    if not steps:  # the struct's own check, whose message names its field
+        return message
+    where = ".".join(names).replace(".[", "[")
+    # A message from a struct's own checks (__post_init__, at the struct's path) already
+    # says what is wrong inside it.
+    shown = ""
+    if found and (message.startswith("Expected") or not isinstance(value, dict)):
+        shown = f" (value: {_short_repr(value)})"
+    return f"{where}: {message}{shown}"
+
+
+def _short_repr(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     request_id: str
     new_token_ids: list[int]
@@ -286,7 +365,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 # ---------------------------------------------------------------- engine-core process wire
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class RequestType:
@@ -307,6 +386,7 @@ class OutputType:
     OUTPUTS = b"O"
     UTILITY_RESULT = b"U"
     ENGINE_DEAD = b"D"  # the core's last message: it is dying, and why
+    REFUSED = b"F"  # a message whose requests could not be read: they will get no output
 
 
 class Hello(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
@@ -329,6 +409,19 @@ class StartupError(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
 
 class EngineDead(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     cause: str
+
+
+class Refused(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """The core could not read (the ids of) requests a client sent; the client ends the
+    ones the core does not know with this message as their error."""
+
+    message: str
+
+
+# The utility a client calls now and then: the ids of its requests the core still holds
+# (they will get an output). An unfinished request sent before the call and missing from the
+# answer was lost on the way and is ended with an error by the client.
+LIVE_REQUEST_IDS = "live_request_ids"
 
 
 class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]

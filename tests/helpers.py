@@ -205,3 +205,92 @@ def running_server(
             family = [proc.pid]
         stop_processes([proc], timeout=10.0)
         kill_all([psutil.Process(p) for p in wait_until_gone(family, 5.0)])
+
+
+class RawCoreClient:
+    """A client of an engine core that skips the frontend: its own DEALER sockets, its own
+    hello, and raw messages. `collect` gathers outputs per request id (and the core's
+    REFUSED messages) and keeps sending heartbeats while it waits, so that a daemon keeps
+    it however slow the machine is."""
+
+    def __init__(self, address: str, identity: bytes = b"rawclien") -> None:
+        import zmq
+
+        from tokenmill.protocol.codec import Encoder
+        from tokenmill.protocol.messages import PROTOCOL_VERSION, Hello, OutputType, RequestType
+        from tokenmill.protocol.sockets import split_address
+
+        self.ctx = zmq.Context()
+        self.input, self.output = (self.ctx.socket(zmq.DEALER) for _ in range(2))
+        for s, a in zip((self.input, self.output), split_address(address)):
+            s.setsockopt(zmq.IDENTITY, identity)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(a)
+        self.encoder = Encoder()
+        self.outputs: dict[str, list] = {}
+        self.refusals: list[str] = []
+        self.utility_results: list = []
+        try:
+            self.send(RequestType.HELLO, Hello(PROTOCOL_VERSION))
+            assert self.output.poll(60_000), "no answer to the hello"
+            assert self.output.recv_multipart()[0] == OutputType.READY
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, kind: bytes, payload) -> None:
+        self.input.send_multipart([kind, *self.encoder.encode(payload)])
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.input.send_multipart(frames)
+
+    def finished_ids(self) -> set[str]:
+        return {r for r, outs in self.outputs.items() if outs[-1].finished}
+
+    def collect(self, until, timeout: float = 120.0) -> None:
+        """Reads the core's messages until `until(self)` holds or `timeout` passes."""
+        from tokenmill.protocol.codec import Decoder
+        from tokenmill.protocol.messages import (
+            EngineCoreOutputs,
+            EngineDead,
+            OutputType,
+            Refused,
+            RequestType,
+            UtilityResult,
+        )
+
+        decoders = {
+            OutputType.ENGINE_DEAD: Decoder(EngineDead),
+            OutputType.OUTPUTS: Decoder(EngineCoreOutputs),
+            OutputType.REFUSED: Decoder(Refused),
+            OutputType.UTILITY_RESULT: Decoder(UtilityResult),
+        }
+        deadline = time.monotonic() + timeout
+        while not until(self) and time.monotonic() < deadline:
+            self.send_frames([RequestType.HEARTBEAT])
+            if not self.output.poll(500):
+                continue
+            kind, *frames = self.output.recv_multipart()
+            message = decoders[kind].decode(frames) if kind in decoders else None
+            if isinstance(message, EngineDead):
+                raise AssertionError(f"the engine core died: {message.cause}")
+            if isinstance(message, EngineCoreOutputs):
+                for out in message.outputs:
+                    self.outputs.setdefault(out.request_id, []).append(out)
+            elif isinstance(message, Refused):
+                self.refusals.append(message.message)
+            elif isinstance(message, UtilityResult):
+                self.utility_results.append(message)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+@contextmanager
+def raw_core_client(address: str, identity: bytes = b"rawclien") -> Iterator[RawCoreClient]:
+    client = RawCoreClient(address, identity)
+    try:
+        yield client
+    finally:
+        client.close()

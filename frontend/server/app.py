@@ -6,7 +6,8 @@
 Runs AsyncLLM in the server's own event loop: the engine core is spawned (or, with
 `--engine-address`, an `engine-core` daemon is attached). Endpoints: /v1/models,
 /v1/completions, /v1/chat/completions (streamed as server-sent events with `stream=true`),
-/tokenize, /detokenize, /health, /version, /metrics (Prometheus). With an API key (or
+/invocations (SageMaker's: either body), /tokenize, /detokenize, /health, /version, /metrics
+(Prometheus). With an API key (or
 TOKENMILL_API_KEY), every endpoint but /health asks for `Authorization: Bearer KEY`; a host
 other than loopback is refused without one. If the engine dies, /health answers 503 and the
 server exits with code 1 within seconds; SIGTERM stops new connections and lets requests in
@@ -28,6 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -48,6 +50,7 @@ from tokenmill.frontend.server.serving_chat import OpenAIServingChat
 from tokenmill.frontend.server.serving_completion import OpenAIServingCompletion
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import add_engine_args, engine_args_from
+from tokenmill.protocol.default_model import DEFAULT_MODEL
 from tokenmill.protocol.sockets import is_loopback_host
 
 logger = logging.getLogger("tokenmill.server")
@@ -62,7 +65,11 @@ def build_app(
     api_key: str = "",
     stat_logger: PrometheusStatLogger | None = None,
     trust_request_chat_template: bool = False,
+    model_root: str | None = None,
 ) -> FastAPI:
+    """model_root: what /v1/models reports as the served model's root (the model as the
+    user named it; by default its folder's name, never a path on this machine)."""
+    root = model_root or os.path.basename(engine.model_config.model.rstrip("/"))
     completion = OpenAIServingCompletion(engine, model_name)
     chat_serving = OpenAIServingChat(engine, model_name, trust_request_chat_template)
 
@@ -140,7 +147,8 @@ def build_app(
                     "object": "model",
                     "created": int(started),
                     "owned_by": "tokenmill",
-                    "root": engine.model_config.model,
+                    "root": root,
+                    "parent": None,
                     "max_model_len": engine.model_config.max_model_len,
                 }
             ],
@@ -154,6 +162,29 @@ def build_app(
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         return _respond(await chat_serving.chat(body, raw))
 
+    @app.post("/invocations")
+    async def invocations(raw: Request) -> Response:
+        """SageMaker's route: a chat body (with messages) or a completions body (with a
+        prompt), told apart by its fields as vLLM does."""
+        try:
+            data = await raw.json()
+        except ValueError as e:
+            raise ServingError(f"the request body is not valid JSON: {e}", 400) from None
+        if not isinstance(data, dict) or not ({"messages", "prompt"} & data.keys()):
+            raise ServingError(
+                "an /invocations body needs messages (chat) or prompt (completions)", 400
+            )
+        kind = ChatCompletionRequest if "messages" in data else CompletionRequest
+        try:
+            body = kind.model_validate(data)
+        except pydantic.ValidationError as e:
+            raise RequestValidationError(
+                [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+            ) from None
+        if isinstance(body, ChatCompletionRequest):
+            return _respond(await chat_serving.chat(body, raw))
+        return _respond(await completion.completions(body, raw))
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         completion.check_model(body.model)
@@ -161,7 +192,13 @@ def build_app(
             raise ServingError("give either prompt or messages", 400, "prompt")
         if body.messages is not None:
             messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
-            prompt = await engine.encode_chat(messages, None, body.add_generation_prompt)
+            prompt = await engine.encode_chat(
+                messages,
+                None,
+                body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message,
+                **(body.chat_template_kwargs or {}),
+            )
         else:
             assert body.prompt is not None
             prompt = await engine.encode_prompt(body.prompt, body.add_special_tokens)
@@ -170,6 +207,7 @@ def build_app(
             "count": len(tokens),
             "max_model_len": engine.model_config.max_model_len,
             "tokens": tokens,
+            "token_strs": None,  # present as null when not asked for, as in vLLM
         }
         if body.return_token_strs:
             result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
@@ -224,7 +262,18 @@ def _validation_error(e: RequestValidationError) -> ServingError:
     if first.get("type") == "extra_forbidden":
         return ServingError(f"{field} is not a field of this request", 400, field)
     value = first.get("input")
-    return ServingError(f"{field}: {first.get('msg')} (got {value!r})", 400, field)
+    if field is None:  # the body as a whole: not a JSON object (or sent without its type)
+        return ServingError(
+            f"the request body must be a JSON object sent with Content-Type: "
+            f"application/json ({first.get('msg')}; got {_short(value)})",
+            400,
+        )
+    return ServingError(f"{field}: {first.get('msg')} (got {_short(value)})", 400, field)
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_type_name(part: str) -> bool:
@@ -302,7 +351,11 @@ def serve(args: argparse.Namespace) -> int:
     )
     stat_logger = PrometheusStatLogger(model_name)
     engine.stat_loggers.append(stat_logger)
-    app = build_app(engine, model_name, api_key, stat_logger, args.trust_request_chat_template)
+    given = args.model or DEFAULT_MODEL
+    root = os.path.basename(given.rstrip("/")) if os.path.exists(given) else given
+    app = build_app(
+        engine, model_name, api_key, stat_logger, args.trust_request_chat_template, root
+    )
     config = uvicorn.Config(
         app,
         host=args.host,

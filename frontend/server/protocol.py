@@ -19,6 +19,8 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    # vLLM's: a chunk holds at least this many characters of text (the last may hold fewer).
+    min_characters: Optional[int] = Field(default=None, ge=1)
 
 
 class _SamplingFields(_Strict):
@@ -52,6 +54,10 @@ class _SamplingFields(_Strict):
     priority: int = 0
     # vLLM's: the choices also carry their token ids (and the prompt's).
     return_token_ids: bool = False
+    # vLLM's: keep only the last k prompt tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    # vLLM's: logprobs name their tokens "token_id:N" (for tokens that are not valid text).
+    return_tokens_as_token_ids: Optional[bool] = None
     # Structured outputs: vLLM's current field, and its older guided_* names.
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Union[str, dict[str, Any], None] = None
@@ -107,7 +113,8 @@ class ChatMessage(BaseModel):
     # ones that matter are read, the rest ignored (as OpenAI and vLLM do).
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role: the chat template decides what it knows (as vLLM passes roles through).
+    role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[Any]] = None
@@ -120,7 +127,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    # vLLM's chat extras.
+    # vLLM's chat extras. echo: the answer starts with the last message's content when that
+    # message has the answer's role (a continued assistant message, say).
+    echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Optional[str] = None
@@ -169,6 +178,8 @@ class TokenizeRequest(_Strict):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     return_token_strs: bool = False
 
 

@@ -11,21 +11,26 @@ bodies. The endpoints' own shapes live in serving_completion.py and serving_chat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
+import msgspec
 from fastapi import Request
 
 from tokenmill.frontend.async_llm import AsyncLLM
-from tokenmill.frontend.outputs import PromptLogprobs, RequestOutput
+from tokenmill.frontend.input_processor import truncate_prompt
+from tokenmill.frontend.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from tokenmill.frontend.server.protocol import _SamplingFields
 from tokenmill.protocol.messages import (
     EngineCoreRequest,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
+    describe_validation_error,
 )
 
 logger = logging.getLogger("tokenmill.server")
@@ -85,7 +90,8 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------- checks
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """A body without a model (or with "") is served by the default one, as in vLLM."""
+        if model and model != self.model_name:
             raise ServingError(
                 f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                 404,
@@ -99,7 +105,9 @@ class OpenAIServing:
         if body.n < 1:
             raise ServingError(f"n must be at least 1, got {body.n}", 400, "n")
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    def check_length(
+        self, num_prompt_tokens: int, max_tokens: int | None, field: str = "max_tokens"
+    ) -> None:
         if num_prompt_tokens >= self.max_model_len or (
             max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len
         ):
@@ -107,10 +115,10 @@ class OpenAIServing:
             raise ServingError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {asked} tokens ({num_prompt_tokens} in the prompt, "
-                f"{max_tokens or 0} in the completion). Please reduce the length of the prompt "
-                "or completion.",
+                f"{max_tokens or 0} in the completion, {field}). Please reduce the length of "
+                "the prompt or completion.",
                 400,
-                "messages" if max_tokens is None else "max_tokens",
+                "messages" if max_tokens is None else field,
             )
 
     def sampling_params(
@@ -119,17 +127,22 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None,
+        max_tokens_field: str = "max_tokens",
     ) -> SamplingParams:
-        """SamplingParams from a body; a bad value is a 400 naming its field."""
+        """SamplingParams from a body; a bad value is a 400 naming its field (max_tokens
+        under the name the client gave it)."""
         if max_tokens is not None and max_tokens < 1:
             raise ServingError(
-                f"max_tokens must be at least 1, got {max_tokens}", 400, "max_tokens"
+                f"{max_tokens_field} must be at least 1, got {max_tokens}", 400, max_tokens_field
             )
         for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if k is not None and (k < 0 or (self.max_logprobs != -1 and k > self.max_logprobs)):
-                raise ServingError(
-                    f"{name} must be between 0 and {self.max_logprobs}, got {k}", 400, name
-                )
+            if k is None or (k == -1 and self.max_logprobs == -1):  # -1: the whole vocabulary
+                continue
+            if k < 0 or (self.max_logprobs != -1 and k > self.max_logprobs):
+                allowed = "0 or more (or -1)" if self.max_logprobs == -1 else (
+                    f"between 0 and {self.max_logprobs} (-1 needs --max-logprobs -1)"
+                )  # fmt: skip
+                raise ServingError(f"{name} must be {allowed}, got {k}", 400, name)
         fields: dict[str, Any] = {
             "n": body.n,
             "seed": body.seed,
@@ -149,6 +162,7 @@ class OpenAIServing:
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "structured_outputs": self._structured(body),
+            "truncate_prompt_tokens": body.truncate_prompt_tokens,
             "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -161,11 +175,11 @@ class OpenAIServing:
                 raise ServingError(
                     f"logit_bias keys must be token ids, got {bad[:4]}", 400, "logit_bias"
                 )
-        try:
-            return SamplingParams(**fields)
-        except (ValueError, TypeError) as e:
-            message = str(e)
-            param = message.split(" ", 1)[0].strip("`'\":")
+        try:  # the message types' own checks: a bad value is named by its path
+            return msgspec.convert(fields, SamplingParams)
+        except msgspec.ValidationError as e:
+            message = describe_validation_error(e, fields, SamplingParams)
+            param = re.split(r"[ .\[:]", message, maxsplit=1)[0]
             raise ServingError(message, 400, param if param in fields else None) from None
 
     def _structured(self, body: _SamplingFields) -> StructuredOutputsParams | None:
@@ -210,10 +224,31 @@ class OpenAIServing:
             names = [name for name, _ in specs]
             raise ServingError(f"give one structured output constraint, got {names}", 400)
         name, spec = specs[0]
+        if isinstance(spec.get("json"), str):  # a schema as JSON text must parse
+            try:
+                json.loads(spec["json"])
+            except ValueError as e:
+                message = f"{name}: the JSON schema does not parse: {e}"
+                raise ServingError(message, 400, name) from None
+        spec = {**spec, **options}
         try:
-            return StructuredOutputsParams(**spec, **options)
-        except (ValueError, TypeError) as e:
-            raise ServingError(f"{name}: {e}", 400, name) from None
+            return msgspec.convert(spec, StructuredOutputsParams)
+        except msgspec.ValidationError as e:
+            message = describe_validation_error(e, spec, StructuredOutputsParams)
+            raise ServingError(f"{name}: {message}", 400, name) from None
+
+    def truncated(self, prompt: dict[str, Any], body: _SamplingFields) -> dict[str, Any]:
+        """The prompt as the engine will see it under truncate_prompt_tokens (its length is
+        what the context check counts)."""
+        ids = prompt["prompt_token_ids"]
+        kept = truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len)
+        if len(kept) == len(ids):
+            return prompt
+        return {"prompt_token_ids": kept, "prompt": None}
+
+    def top_k_shown(self, k: int) -> int:
+        """How many top logprobs a response shows for a request of k (-1: all of them)."""
+        return self.engine.model_config.vocab_size if k == -1 else k
 
     # ------------------------------------------------------------------ running
     async def _prepare(
@@ -289,14 +324,17 @@ class OpenAIServing:
                 raise ServingError(out.error, 400)
         return results
 
-    async def _stream(self, raw: Request, prepared: Prepared, chunks: Any) -> AsyncIterator[str]:
-        """Server-sent events: what `chunks` makes of the outputs, then `data: [DONE]`. An
+    async def _stream(
+        self, raw: Request, prepared: Prepared, chunks: Any, min_characters: int | None = None
+    ) -> AsyncIterator[str]:
+        """Server-sent events: what `chunks` makes of the outputs (merged per choice until
+        they hold min_characters of text, when given), then `data: [DONE]`. An
         error after the stream began is sent as an error event. A client that goes away has
         its requests aborted in the core at once (not at the next token's failed send)."""
         request_ids = [req.request_id for req, _ in prepared]
         watcher = asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, request_ids))
         try:
-            async for event in chunks(self._generate(prepared)):
+            async for event in chunks(coalesce(self._generate(prepared), min_characters)):
                 yield sse(event)
         except asyncio.CancelledError:
             if watcher.done() and not watcher.cancelled():
@@ -312,12 +350,50 @@ class OpenAIServing:
             watcher.cancel()
         yield sse("[DONE]")
 
+    @staticmethod
+    def min_characters(body: _SamplingFields) -> int | None:
+        return body.stream_options.min_characters if body.stream_options is not None else None
+
     def check_stream_options(self, body: _SamplingFields) -> bool:
         """Whether every chunk carries usage so far (continuous_usage_stats)."""
         if body.stream_options is not None and not body.stream:
             raise ServingError("stream_options is only allowed with stream=true", 400)
         options = body.stream_options
         return options is not None and options.include_usage and options.continuous_usage_stats
+
+
+async def coalesce(
+    outputs: AsyncIterator[tuple[int, RequestOutput]], min_characters: int | None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Streamed (delta) outputs merged per choice until their text holds at least
+    min_characters (vLLM's stream_options.min_characters); a finished choice is sent with
+    whatever it holds. None: as they come."""
+    if not min_characters:
+        async for item in outputs:
+            yield item
+        return
+    held: dict[tuple[int, int], CompletionOutput] = {}
+    async for i, out in outputs:
+        ready = []
+        for c in out.outputs:
+            key = (i, c.index)
+            if key in held:
+                c = _merged(held.pop(key), c)
+            if len(c.text) >= min_characters or c.finished():
+                ready.append(c)
+            else:
+                held[key] = c
+        if ready or out.error is not None or out.prompt_logprobs is not None:
+            yield i, dataclasses.replace(out, outputs=ready)
+
+
+def _merged(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
+    logprobs = None if a.logprobs is None and b.logprobs is None else (
+        (a.logprobs or []) + (b.logprobs or [])
+    )  # fmt: skip
+    return dataclasses.replace(
+        b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=logprobs
+    )
 
 
 async def _cancel_on_disconnect(raw: Request, work: asyncio.Future) -> None:
@@ -336,8 +412,10 @@ async def _abort_on_disconnect(raw: Request, engine: AsyncLLM, request_ids: list
 
 
 def _param_named_in(message: str) -> str | None:
-    """The field a ValueError's message begins with (`max_tokens must be ...`), if any."""
-    first = message.split(" ", 1)[0].strip("`'\":")
+    """The field a ValueError's message begins with (`max_tokens must be ...`, or a path:
+    `sampling_params.structured_outputs.regex: ...` names structured_outputs), if any."""
+    first = message.split(" ", 1)[0].strip("`'\":").removeprefix("sampling_params.")
+    first = re.split(r"[.\[]", first, maxsplit=1)[0]
     named = first.isidentifier() and ("_" in first or first in ("n", "seed", "stop"))
     return first if named else None
 

@@ -48,10 +48,20 @@ class OpenAIServingChat(OpenAIServing):
             )
         except Exception as e:  # a template that cannot render these messages
             raise ServingError(f"the chat template failed: {e}", 400, "messages") from None
+        prompt = self.truncated(prompt, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        self.check_length(len(prompt["prompt_token_ids"]), max_tokens)
+        # Errors name the field the client used.
+        field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        self.check_length(len(prompt["prompt_token_ids"]), max_tokens, field)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
+        # The answer's role, and what echo puts before its text (vLLM's rules): the
+        # assistant's after a generation prompt, else the last message's own.
+        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
+        role = "assistant" if add_generation_prompt else messages[-1]["role"]
+        echoed = ""
+        if body.echo and messages and messages[-1]["role"] == role:
+            echoed = messages[-1]["content"]
+        params = self.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, field)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         prepared = await self._prepare([prompt], params, request_id, body.priority)
@@ -59,11 +69,14 @@ class OpenAIServingChat(OpenAIServing):
             return self._stream(
                 raw,
                 prepared,
-                lambda outputs: self._chat_chunks(body, prepared, head, outputs, continuous_usage),
+                lambda outputs: self._chat_chunks(
+                    body, prepared, head, outputs, continuous_usage, role, echoed
+                ),
+                self.min_characters(body),
             )
         (out,) = await self._collect(raw, prepared)
         choices = [
-            self._choice(body, c, message={"role": "assistant", "content": c.text})
+            self._choice(body, c, message={"role": role, "content": echoed + c.text})
             for c in out.outputs
         ]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -72,6 +85,7 @@ class OpenAIServingChat(OpenAIServing):
             "object": "chat.completion",
             "choices": choices,
             "usage": _usage(len(out.prompt_token_ids), completion_tokens),
+            "prompt_logprobs": None,  # present as null when not asked for, as in vLLM
         }
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
@@ -86,6 +100,8 @@ class OpenAIServingChat(OpenAIServing):
         head: dict[str, Any],
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         continuous_usage: bool,
+        role: str = "assistant",
+        echoed: str = "",
     ) -> AsyncIterator[dict[str, Any]]:
         head = {**head, "object": "chat.completion.chunk"}
         num_prompt_tokens = len(prepared[0][0].prompt_token_ids)
@@ -96,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": role, "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -107,6 +123,11 @@ class OpenAIServingChat(OpenAIServing):
             if continuous_usage:
                 first["usage"] = _usage(num_prompt_tokens, 0)
             yield first
+            if echoed:  # then the echoed message, as its own chunk (as vLLM streams it)
+                delta = {"content": echoed}
+                echo = {**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
+                                             "finish_reason": None}]}  # fmt: skip
+                yield echo
         async for _, out in outputs:
             if out.error is not None:
                 raise ServingError(out.error, 400)
@@ -135,7 +156,9 @@ class OpenAIServingChat(OpenAIServing):
         choice = {
             "index": c.index,
             **content,
-            "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if body.logprobs else None,
+            "logprobs": self._chat_logprobs(c, self.top_k_shown(body.top_logprobs or 0), body)
+            if body.logprobs
+            else None,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
@@ -143,25 +166,29 @@ class OpenAIServingChat(OpenAIServing):
             choice["token_ids"] = c.token_ids
         return choice
 
-    def _chat_logprobs(self, c: CompletionOutput, k: int) -> dict[str, Any]:
+    def _chat_logprobs(
+        self, c: CompletionOutput, k: int, body: ChatCompletionRequest
+    ) -> dict[str, Any]:
+        as_ids = bool(body.return_tokens_as_token_ids)
         content = []
         for token_id, entry in zip(c.token_ids, c.logprobs or []):
             chosen = entry[token_id]
             ranked = sorted(
-                (lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-                key=lambda lp: lp.rank or 0,
+                ((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+                key=lambda item: item[1].rank or 0,
             )
             content.append(
                 {
-                    **_token_logprob(chosen),
-                    "top_logprobs": [_token_logprob(lp) for lp in ranked[:k]],
+                    **_token_logprob(token_id, chosen, as_ids),
+                    "top_logprobs": [_token_logprob(t, lp, as_ids) for t, lp in ranked[:k]],
                 }
             )
         return {"content": content}
 
 
-def _token_logprob(lp: Logprob) -> dict[str, Any]:
-    token = lp.decoded_token or ""
+def _token_logprob(token_id: int, lp: Logprob, as_token_id: bool = False) -> dict[str, Any]:
+    """One token's entry; as_token_id names it "token_id:N" (return_tokens_as_token_ids)."""
+    token = f"token_id:{token_id}" if as_token_id else (lp.decoded_token or "")
     return {
         "token": token,
         "logprob": max(lp.logprob, _MIN_LOGPROB),

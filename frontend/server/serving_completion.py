@@ -33,14 +33,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 400,
                 "best_of",
             )
-        prompts = await self._completion_prompts(body)
+        prompts = [self.truncated(p, body) for p in await self._completion_prompts(body)]
         for prompt in prompts:
             self.check_length(len(prompt["prompt_token_ids"]), body.max_tokens)
             if body.echo and prompt.get("prompt") is None:  # echo a token prompt as text
                 prompt["prompt"] = await self.engine.decode(prompt["prompt_token_ids"])
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:
-            prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
+            prompt_logprobs = (
+                -1 if -1 in (body.logprobs, prompt_logprobs)
+                else max(body.logprobs, prompt_logprobs or 0)
+            )  # fmt: skip
         params = self.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
@@ -52,6 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 lambda outputs: self._completion_chunks(
                     body, prepared, head, outputs, continuous_usage
                 ),  # fmt: skip
+                self.min_characters(body),
             )
         results = await self._collect(raw, prepared)
         choices = []
@@ -65,8 +69,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         out.prompt_token_ids if body.echo else [],
                         out.prompt_logprobs,
                         c,
-                        body.logprobs,
+                        self.top_k_shown(body.logprobs),
                         0,
+                        bool(body.return_tokens_as_token_ids),
                     )
                 if body.echo:
                     text = (out.prompt or "") + text
@@ -76,6 +81,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    # Present as null when not asked for, as vLLM sends it.
+                    "prompt_logprobs": None,
                 }
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
@@ -141,12 +148,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         out.prompt_token_ids if echo else [],
                         prompt_lps.get(i),
                         c,
-                        body.logprobs,
+                        self.top_k_shown(body.logprobs),
                         offsets.get(index, 0),
+                        bool(body.return_tokens_as_token_ids),
                     )
+                    # Offsets run over the tokens' texts, as in a whole answer (a chunk's
+                    # text may lag them while a stop string holds text back).
+                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
                 if echo:
                     text = (out.prompt or "") + text
-                offsets[index] = offsets.get(index, 0) + len(text)
                 choice = {
                     "index": index,
                     "text": text,
@@ -180,9 +190,17 @@ class OpenAIServingCompletion(OpenAIServing):
         c: CompletionOutput,
         k: int,
         offset: int,
+        as_token_ids: bool = False,
     ) -> dict[str, Any]:
         """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
-        (echoed prompt positions first; the prompt's first token has no logprob)."""
+        (echoed prompt positions first; the prompt's first token has no logprob). With
+        as_token_ids, tokens are named "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+
+        def name(token_id: int, lp: Logprob | None) -> str:
+            if as_token_ids:
+                return f"token_id:{token_id}"
+            return self._token_text(token_id) if lp is None else (lp.decoded_token or "")
+
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
@@ -194,16 +212,16 @@ class OpenAIServingCompletion(OpenAIServing):
         positions.extend(zip(c.token_ids, c.logprobs or []))
         for token_id, entry in positions:
             if entry is None:
-                tokens.append(self._token_text(token_id))
+                tokens.append(name(token_id, None))
                 token_logprobs.append(None)
                 top.append(None)
                 continue
             chosen = entry[token_id]
-            tokens.append(chosen.decoded_token or "")
+            tokens.append(name(token_id, chosen))
             token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
             top.append(
                 {
-                    (lp.decoded_token or ""): max(lp.logprob, _MIN_LOGPROB)
+                    name(t, lp): max(lp.logprob, _MIN_LOGPROB)
                     for t, lp in entry.items()
                     if t == token_id or (lp.rank is not None and lp.rank <= k)
                 }

@@ -7,30 +7,27 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import msgspec
 import psutil
 import pytest
 import zmq
-from helpers import running_daemon
+from helpers import free_port_pair, raw_core_client, running_daemon
 
 from tokenmill import LLM, EngineDeadError, SamplingParams
-from tokenmill.protocol.codec import Decoder, Encoder
+from tokenmill.protocol.codec import Encoder
 from tokenmill.protocol.messages import (
     PROTOCOL_VERSION,
-    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     Hello,
-    OutputType,
     RequestType,
 )
-from tokenmill.protocol.sockets import split_address
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (2, 11, 35, 90)]
@@ -227,61 +224,18 @@ def test_idle_daemon_does_not_spin(tiny_model) -> None:
     assert used / 10.0 < 0.01, f"idle daemon used {100 * used / 10.0:.2f}% of a core"
 
 
-@contextmanager
-def raw_client(address: str):
-    """A client that skips the frontend: says hello on its own DEALER sockets and yields a
-    function that sends (kind, payload) and one that collects finished outputs by id."""
-    input_address, output_address = split_address(address)
-    ctx = zmq.Context()
-    try:
-        sockets = [ctx.socket(zmq.DEALER) for _ in range(2)]
-        for s, a in zip(sockets, (input_address, output_address)):
-            s.setsockopt(zmq.IDENTITY, b"rawclien")
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(a)
-        send_socket, recv = sockets
-        encoder = Encoder()
-
-        def send(kind: bytes, payload) -> None:
-            send_socket.send_multipart([kind, *encoder.encode(payload)])
-
-        def finished(count: int, timeout: float = 60.0) -> dict[str, list]:
-            """Outputs per request id, once `count` requests have finished."""
-            decoder = Decoder(EngineCoreOutputs)
-            outputs: dict[str, list] = {}
-            done: set[str] = set()
-            deadline = time.monotonic() + timeout
-            while len(done) < count and time.monotonic() < deadline:
-                if not recv.poll(1000):
-                    continue
-                kind, *frames = recv.recv_multipart()
-                if kind != OutputType.OUTPUTS:
-                    continue
-                for out in decoder.decode(frames).outputs:
-                    outputs.setdefault(out.request_id, []).append(out)
-                    if out.finished:
-                        done.add(out.request_id)
-            return outputs
-
-        send(RequestType.HELLO, Hello(PROTOCOL_VERSION))
-        assert recv.poll(30_000), "no answer to the hello"
-        assert recv.recv_multipart()[0] == OutputType.READY
-        yield send, finished
-    finally:
-        ctx.destroy(linger=0)
-
-
 def test_core_rejects_bad_requests_that_skip_the_frontend(tiny_model) -> None:
     """A client that bypasses the frontend's checks gets an error for the bad request only."""
     with running_daemon(tiny_model("llama-gqa")) as (_, address):
-        with raw_client(address) as (send, finished):
+        with raw_core_client(address) as client:
             requests = [
                 EngineCoreRequest("oov", [1, 10**7], GREEDY, [2], 0.0),
                 EngineCoreRequest("long", [1] * 5000, GREEDY, [2], 0.0),
                 EngineCoreRequest("fine", [1, 2, 3], GREEDY, [2], 0.0),
             ]
-            send(RequestType.ADD, requests)
-            outputs = finished(3)
+            client.send(RequestType.ADD, requests)
+            client.collect(lambda c: len(c.finished_ids()) == 3)
+            outputs = client.outputs
     last = {req_id: outs[-1] for req_id, outs in outputs.items()}
     assert last["oov"].finish_reason == FinishReason.ERROR
     assert "outside" in last["oov"].error
@@ -293,12 +247,34 @@ def test_core_rejects_bad_requests_that_skip_the_frontend(tiny_model) -> None:
 def test_a_reused_live_request_id_leaves_the_live_request_alone(tiny_model) -> None:
     long_run = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     with running_daemon(tiny_model("llama-gqa")) as (_, address):
-        with raw_client(address) as (send, finished):
-            send(RequestType.ADD, [EngineCoreRequest("a", [5] * 10, long_run, [2], 0.0)])
-            send(RequestType.ADD, [EngineCoreRequest("a", [7, 8], GREEDY, [2], 0.0)])
-            send(RequestType.ADD, [EngineCoreRequest("b", [7, 8], GREEDY, [2], 0.0)])
-            outputs = finished(2)
+        with raw_core_client(address) as client:
+            client.send(RequestType.ADD, [EngineCoreRequest("a", [5] * 10, long_run, [2], 0.0)])
+            client.send(RequestType.ADD, [EngineCoreRequest("a", [7, 8], GREEDY, [2], 0.0)])
+            client.send(RequestType.ADD, [EngineCoreRequest("b", [7, 8], GREEDY, [2], 0.0)])
+            # Heartbeats while it waits: however slow the machine, the daemon keeps it.
+            client.collect(lambda c: len(c.finished_ids()) == 2, timeout=600.0)
+            outputs = client.outputs
     tokens = [t for out in outputs["a"] for t in out.new_token_ids]
     assert len(tokens) == 300 and outputs["a"][-1].finish_reason == FinishReason.LENGTH
     assert not any(out.error for out in outputs["a"])
     assert outputs["b"][-1].finish_reason == FinishReason.LENGTH
+
+
+def test_a_busy_port_is_one_line_and_a_nonzero_exit(tiny_model) -> None:
+    port = free_port_pair()
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        model = str(tiny_model("llama-gqa"))
+        address = f"tcp://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "tokenmill.core.daemon", "--model", model,
+                   "--address", address]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.close()
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("engine-core: cannot listen on tcp://127.0.0.1:")
+    assert "in use" in last and f"pid {os.getpid()}" in last

@@ -55,8 +55,9 @@ def test_n_greedy_with_others_in_one_batch(llm: LLM) -> None:
     assert [len(o.outputs) for o in outputs] == [3, 1]
     greedy = outputs[1].outputs[0].token_ids
     assert all(c.token_ids == greedy for c in outputs[0].outputs)
-    with pytest.raises(ValueError, match="n must be a positive integer"):
-        SamplingParams(n=0)
+    for n in (0, 1025, 2**63):  # each sample is an engine request: n is bounded
+        with pytest.raises(ValueError, match=r"n must be an integer in \[1, 1024\]"):
+            SamplingParams(n=n)
 
 
 def test_async_output_kinds_and_parent_abort(tiny_model) -> None:
