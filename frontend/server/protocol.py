@@ -58,6 +58,9 @@ class _SamplingFields(_Strict):
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
     # vLLM's: logprobs name their tokens "token_id:N" (for tokens that are not valid text).
     return_tokens_as_token_ids: Optional[bool] = None
+    # vLLM's beam search: n beams, scored by logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Structured outputs: vLLM's current field, and its older guided_* names.
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Union[str, dict[str, Any], None] = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import re
@@ -22,6 +23,12 @@ import msgspec
 from fastapi import Request
 
 from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.frontend.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+)
 from tokenmill.frontend.input_processor import truncate_prompt
 from tokenmill.frontend.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from tokenmill.frontend.server.protocol import _SamplingFields
@@ -249,6 +256,46 @@ class OpenAIServing:
     def top_k_shown(self, k: int) -> int:
         """How many top logprobs a response shows for a request of k (-1: all of them)."""
         return self.engine.model_config.vocab_size if k == -1 else k
+
+    # -------------------------------------------------------------- beam search
+    def beam_params(self, body: _SamplingFields, max_tokens: int | None) -> BeamSearchParams:
+        """use_beam_search: n beams (vLLM's mapping); no stream, no logprobs."""
+        if body.stream:
+            raise ServingError("use_beam_search does not stream", 400, "use_beam_search")
+        limit = max_tokens if max_tokens is not None else self.max_model_len
+        try:
+            return BeamSearchParams(
+                beam_width=body.n,
+                max_tokens=limit,
+                ignore_eos=body.ignore_eos,
+                temperature=body.temperature or 0.0,
+                length_penalty=body.length_penalty,
+            )
+        except ValueError as e:
+            raise ServingError(str(e), 400, "n") from None
+
+    async def beam_search(
+        self, raw: Request, prompt: dict[str, Any], params: BeamSearchParams, request_id: str
+    ) -> tuple[BeamSearch, BeamSearchOutput]:
+        """One prompt's beam search, each step's beams run as ordinary requests."""
+        config = self.engine.model_config
+        eos = frozenset(config.eos_token_ids)
+        search = BeamSearch(prompt["prompt_token_ids"], params, eos, config.max_model_len)
+        step = search.step_params()
+        for n in itertools.count():
+            beams = search.live()
+            if not beams:
+                break
+            prepared = await self._prepare(
+                [{"prompt_token_ids": b.tokens} for b in beams], step, f"{request_id}-{n}", 0
+            )
+            search.advance(await self._collect(raw, prepared))
+        return search, search.result()
+
+    def beam_text(self, search: BeamSearch, beam: BeamSearchSequence) -> str:
+        tokenizer = self.engine.tokenizer
+        generated = beam.tokens[search.prompt_len :]
+        return "" if tokenizer is None else tokenizer.decode(generated, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ running
     async def _prepare(

@@ -61,9 +61,23 @@ class OpenAIServingChat(OpenAIServing):
         echoed = ""
         if body.echo and messages and messages[-1]["role"] == role:
             echoed = messages[-1]["content"]
-        params = self.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, field)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        if body.use_beam_search:  # the n best beams as the n choices
+            search, result = await self.beam_search(
+                raw, prompt, self.beam_params(body, max_tokens), request_id
+            )
+            choices = [
+                {"index": k, "message": {"role": "assistant",
+                                         "content": self.beam_text(search, beam)},
+                 "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None}
+                for k, beam in enumerate(result.sequences)
+            ]  # fmt: skip
+            generated = sum(len(b.tokens) - search.prompt_len for b in result.sequences)
+            usage = _usage(search.prompt_len, generated)
+            return {**head, "object": "chat.completion", "choices": choices, "usage": usage,
+                    "prompt_logprobs": None}  # fmt: skip
+        params = self.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, field)
         prepared = await self._prepare([prompt], params, request_id, body.priority)
         if body.stream:
             return self._stream(

@@ -44,9 +44,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 -1 if -1 in (body.logprobs, prompt_logprobs)
                 else max(body.logprobs, prompt_logprobs or 0)
             )  # fmt: skip
-        params = self.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        if body.use_beam_search:
+            return await self._beam_completions(body, raw, prompts, head)
+        params = self.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         prepared = await self._prepare(prompts, params, request_id, body.priority)
         if body.stream:
             return self._stream(
@@ -97,6 +99,27 @@ class OpenAIServingCompletion(OpenAIServing):
             "choices": choices,
             "usage": _usage(prompt_tokens, completion_tokens),
         }
+
+    async def _beam_completions(
+        self, body: CompletionRequest, raw: Request, prompts: list, head: dict[str, Any]
+    ) -> dict[str, Any]:
+        """use_beam_search: the n best beams of each prompt as its n choices."""
+        params = self.beam_params(body, body.max_tokens)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, prompt in enumerate(prompts):
+            search, result = await self.beam_search(raw, prompt, params, f"{head['id']}-{i}")
+            prompt_tokens += search.prompt_len
+            for k, beam in enumerate(result.sequences):
+                completion_tokens += len(beam.tokens) - search.prompt_len
+                text = self.beam_text(search, beam)
+                choice = {"index": i * body.n + k, "text": text, "logprobs": None,
+                          "finish_reason": beam.finish_reason, "stop_reason": None,
+                          "prompt_logprobs": None}  # fmt: skip
+                if body.return_token_ids:
+                    choice["token_ids"] = beam.tokens[search.prompt_len :]
+                choices.append(choice)
+        usage = _usage(prompt_tokens, completion_tokens)
+        return {**head, "object": "text_completion", "choices": choices, "usage": usage}
 
     async def _completion_prompts(self, body: CompletionRequest) -> list[dict[str, Any]]:
         prompt = body.prompt

@@ -331,3 +331,26 @@ def test_streamed_text_offsets_equal_the_whole_answer(server) -> None:
     offsets = [o for c in choices for o in c["logprobs"]["text_offset"]]
     tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
     assert tokens == whole["tokens"] and offsets == whole["text_offset"]
+
+
+def test_use_beam_search_gives_hf_beams(server, smollm2_path, tokenizer) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenizer("The three primary colours are").input_ids
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), do_sample=False, num_beams=3,
+                            num_return_sequences=3, max_new_tokens=12,
+                            pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+    out = _post(server, "/v1/completions", {**GREEDY, "prompt": ids, "max_tokens": 12, "n": 3,
+                                            "use_beam_search": True,
+                                            "return_token_ids": True})  # fmt: skip
+    assert [c["token_ids"] for c in out["choices"]] == [row[len(ids) :] for row in hf.tolist()]
+    assert out["choices"][0]["text"] == tokenizer.decode(hf[0, len(ids) :])
+    chat = _post(server, "/v1/chat/completions", {**GREEDY, "messages": CHAT, "n": 2,
+                                                  "use_beam_search": True})  # fmt: skip
+    assert len(chat["choices"]) == 2 and chat["choices"][0]["message"]["content"]
+    streamed = {**GREEDY, "prompt": "Hi", "use_beam_search": True, "stream": True}
+    response = httpx.post(f"{server}/v1/completions", json=streamed, timeout=30)
+    assert response.status_code == 400 and "use_beam_search" in response.text
