@@ -70,6 +70,7 @@ class AsyncLLM:
             self.client = AsyncMPClient(None, engine_address, token)
         self.config = self.client.engine_config
         self.model_config = self.config.model_config
+        self.num_blocks = self.client.ready.num_blocks  # the KV cache's, as the core sized it
         self.tokenizer, self.input_processor, self.output_processor = make_processors(
             self.model_config, tokenizer
         )
@@ -138,8 +139,13 @@ class AsyncLLM:
         try:
             core_requests = self.output_processor.add_request(request, text)
             for stat_logger in self.stat_loggers:
+                params = request.sampling_params
                 stat_logger.on_request(
-                    [r.request_id for r in core_requests], len(request.prompt_token_ids), arrival
+                    [r.request_id for r in core_requests],
+                    len(request.prompt_token_ids),
+                    arrival,
+                    params.n,
+                    params.max_tokens,
                 )
             self.client.add_requests(core_requests)
             while not finished:

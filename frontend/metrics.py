@@ -3,7 +3,9 @@
 `PrometheusStatLogger` is fed by AsyncLLM: every message from the core carries the
 scheduler's stats (gauges, and running totals that become counters here), and every output
 token updates the request's latencies (time to first token, inter-token latency, time per
-output token, end-to-end latency, queue time in the core). It writes into its own
+output token, end-to-end latency, queue time in the core, and the prefill / decode /
+inference phases, timed here from the core's queue time: the first step is taken to start
+at arrival + queue time). It writes into its own
 `CollectorRegistry`, so that several engines in one process do not collide.
 """
 
@@ -29,6 +31,9 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 _LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
 @dataclass
 class _RequestTimes:
     arrival: float  # time.monotonic() when the frontend got the request
@@ -36,6 +41,7 @@ class _RequestTimes:
     first_token: float | None = None
     last_token: float = 0.0
     num_tokens: int = 0
+    scheduled: float | None = None  # arrival + the core's queue time: its first step
 
 
 class PrometheusStatLogger:
@@ -97,6 +103,31 @@ class PrometheusStatLogger:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per finished request.", _TOKEN_BUCKETS
         )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens per engine step seen here (prompt tokens of requests that got their first "
+            "token, and generated tokens).",
+            _TOKEN_BUCKETS,
+        )
+        self.params_n = histogram("request_params_n", "The n of each request.", _N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of each request.", _TOKEN_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "Per request: from its first step to its last token.",
+            _LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Per request: from its first step to its first token.",
+            _LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "Per request: from its first token to its last.",
+            _LATENCY_BUCKETS,
+        )
         self.loop_lag = histogram(
             "event_loop_lag_seconds",
             "How late the server's event loop woke a 10 ms timer (stalls).",
@@ -109,8 +140,26 @@ class PrometheusStatLogger:
         self._totals = SchedulerStats()
         self._requests: dict[str, _RequestTimes] = {}
 
+    def set_cache_config(self, cache: dict[str, str]) -> None:
+        """vLLM's cache_config_info: the KV cache's settings as labels of a gauge at 1."""
+        names = sorted(cache)
+        info = Gauge(PREFIX + "cache_config_info", "The KV cache's configuration.", names,
+                     registry=self.registry)  # fmt: skip
+        info.labels(*(str(cache[name]) for name in names)).set(1)
+
     # ---------------------------------------------------------------- from AsyncLLM
-    def on_request(self, core_ids: list[str], num_prompt_tokens: int, arrival: float) -> None:
+    def on_request(
+        self,
+        core_ids: list[str],
+        num_prompt_tokens: int,
+        arrival: float,
+        n: int = 1,
+        max_tokens: int | None = None,
+    ) -> None:
+        """A request (its n samples are core_ids) the frontend sends."""
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
         for core_id in core_ids:
             self._requests[core_id] = _RequestTimes(arrival, num_prompt_tokens)
 
@@ -131,25 +180,33 @@ class PrometheusStatLogger:
         now = time.monotonic()
         if outputs.scheduler_stats is not None:
             self._record_scheduler(outputs.scheduler_stats)
+        step_tokens = 0
         for out in outputs.outputs:
             times = self._requests.get(out.request_id)
             if times is None:
                 continue
+            if out.queue_time is not None:
+                self.queue_time.observe(out.queue_time)
+                times.scheduled = times.arrival + out.queue_time
             if out.new_token_ids:
                 if times.first_token is None:
                     times.first_token = now
                     self.ttft.observe(now - times.arrival)
                     self.prompt_tokens.inc(times.num_prompt_tokens)
+                    step_tokens += times.num_prompt_tokens
+                    if times.scheduled is not None:
+                        self.prefill_time.observe(max(now - times.scheduled, 0.0))
                 else:
                     self.itl.observe(now - times.last_token)
                 times.last_token = now
                 times.num_tokens += len(out.new_token_ids)
+                step_tokens += len(out.new_token_ids)
                 self.generation_tokens.inc(len(out.new_token_ids))
-            if out.queue_time is not None:
-                self.queue_time.observe(out.queue_time)
             if out.finished:
                 del self._requests[out.request_id]
                 self._record_finish(times, now, str(out.finish_reason))
+        if step_tokens:
+            self.iteration_tokens.observe(step_tokens)
 
     def _record_finish(self, times: _RequestTimes, now: float, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()
@@ -160,6 +217,10 @@ class PrometheusStatLogger:
         self.request_generation_tokens.observe(times.num_tokens)
         if times.first_token is not None and times.num_tokens > 1:
             self.tpot.observe((now - times.first_token) / (times.num_tokens - 1))
+        if times.first_token is not None:
+            self.decode_time.observe(now - times.first_token)
+        if times.scheduled is not None:
+            self.inference_time.observe(max(now - times.scheduled, 0.0))
 
     def on_loop_lag(self, seconds: float) -> None:
         self.loop_lag.observe(seconds)

@@ -350,6 +350,16 @@ def serve(args: argparse.Namespace) -> int:
         or os.path.basename(engine.model_config.model.rstrip("/"))
     )
     stat_logger = PrometheusStatLogger(model_name)
+    cache = engine.config.cache_config
+    stat_logger.set_cache_config(
+        {
+            "block_size": cache.block_size,
+            "num_gpu_blocks": engine.num_blocks,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "cache_dtype": engine.config.model_config.dtype,
+        }
+    )
     engine.stat_loggers.append(stat_logger)
     given = args.model or DEFAULT_MODEL
     root = os.path.basename(given.rstrip("/")) if os.path.exists(given) else given

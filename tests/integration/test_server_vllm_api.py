@@ -354,3 +354,40 @@ def test_use_beam_search_gives_hf_beams(server, smollm2_path, tokenizer) -> None
     streamed = {**GREEDY, "prompt": "Hi", "use_beam_search": True, "stream": True}
     response = httpx.post(f"{server}/v1/completions", json=streamed, timeout=30)
     assert response.status_code == 400 and "use_beam_search" in response.text
+
+
+def _metrics(server: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server}/metrics").text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if k != "model_name")  # fmt: skip
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values
+
+
+def test_vllms_request_metrics(server) -> None:
+    before = _metrics(server)
+    sampled = {"max_tokens": 5, "n": 2, "temperature": 0.8, "seed": 1, "ignore_eos": True}
+    _post(server, "/v1/completions", {**GREEDY, "prompt": "Hello", **sampled})
+    _post(server, "/v1/completions", {**GREEDY, "prompt": "Hi", "max_tokens": 3,
+                                      "ignore_eos": True})  # fmt: skip
+    after = _metrics(server)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    p = "tokenmill:"
+    assert grew(p + "request_params_n_count") == 2 and grew(p + "request_params_n_sum") == 3
+    assert grew(p + "request_params_max_tokens_sum") == 8
+    for phase in ("prefill", "decode", "inference"):  # one per sample: 2 + 1
+        assert grew(f"{p}request_{phase}_time_seconds_count") == 3
+    assert grew(p + "request_inference_time_seconds_sum") >= grew(
+        p + "request_decode_time_seconds_sum"
+    )
+    # Every generated token (2 x 5 + 3) and both prompts' tokens pass through some step.
+    assert grew(p + "iteration_tokens_total_sum") >= 13 + 2
+    info = [k for k in after if k.startswith(p + "cache_config_info")]
+    assert len(info) == 1 and "block_size=16" in info[0] and after[info[0]] == 1
