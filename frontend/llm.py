@@ -67,6 +67,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's
+        --generation-config auto; "vllm" leaves the engine's own)."""
+        return SamplingParams(**self.llm_engine.config.model_config.sampling_defaults)
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
@@ -78,7 +83,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

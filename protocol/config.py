@@ -69,6 +69,9 @@ class ModelConfig:
     mlp_bias: bool = False
     skip_tokenizer_init: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
+    # Sampling defaults from the model's generation_config.json (--generation-config), used
+    # where a request leaves a field out: vLLM's names (max_new_tokens -> max_tokens).
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,7 @@ class EngineArgs:
     attention_backend: str | None = None  # None: TRITON_ATTN on CUDA, TORCH_SDPA on the CPU
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    generation_config: str = "auto"  # "auto" (the model's file) | "vllm" (none) | a folder
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -412,7 +416,36 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
         mlp_bias=bool(text.get("mlp_bias", False)),
         skip_tokenizer_init=args.skip_tokenizer_init,
         max_logprobs=args.max_logprobs,
+        sampling_defaults=sampling_defaults(args.generation_config, path),
     )
+
+
+# generation_config.json fields that become sampling defaults, by their SamplingParams name.
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(generation_config: str, model_path: str) -> dict[str, Any]:
+    """vLLM's --generation-config: "auto" reads the model's generation_config.json, "vllm"
+    ignores it (the engine's own defaults), anything else is a folder holding one."""
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model_path if generation_config == "auto" else generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config != "auto":
+            raise ValueError(
+                f"generation_config={generation_config!r} holds no generation_config.json"
+            )
+        return {}
+    data = json.loads(path.read_text())
+    return {ours: data[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in data}
 
 
 def _rope_parameters(text: dict[str, Any]) -> dict[str, Any]:
@@ -467,6 +500,8 @@ ENGINE_ARG_HELP = {
     "attention_backend": "TRITON_ATTN or TORCH_SDPA (default by device)",
     "enforce_eager": "no CUDA graphs",
     "cudagraph_capture_sizes": "the batch sizes CUDA graphs are captured for",
+    "generation_config": "sampling defaults: auto (the model's generation_config.json), "
+    "vllm (none), or a folder holding a generation_config.json",
 }
 
 

@@ -172,10 +172,16 @@ class OpenAIServing:
             "truncate_prompt_tokens": body.truncate_prompt_tokens,
             "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         }
+        # What the request leaves out comes from the model's generation config (vLLM's
+        # --generation-config auto), else the engine's own defaults.
+        defaults = self.engine.model_config.sampling_defaults
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(body, name)
+            value = defaults.get(name) if value is None else value
             if value is not None:
                 fields[name] = value
+        if max_tokens is None and "max_tokens" in defaults:
+            fields["max_tokens"] = defaults["max_tokens"]
         if body.logit_bias is not None:
             bad = [k for k in body.logit_bias if not k.lstrip("-").isdigit()]
             if bad:
