@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.lark import is_lark, lark_to_ebnf
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
@@ -34,7 +35,8 @@ class RequestOutputKind(enum.IntEnum):
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
     """Constrains a completion (vLLM's names), compiled by xgrammar in the engine core: a JSON
     schema (a dict or its JSON text), a regular expression, one of a list of strings, an EBNF
-    grammar (GBNF style: `root ::= ...`), or any JSON object. Exactly one may be set."""
+    grammar (GBNF style: `root ::= ...`, or simple Lark, converted), or any JSON object.
+    Exactly one may be set."""
 
     json: Union[str, dict, None] = None
     regex: Optional[str] = None
@@ -62,6 +64,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
         if isinstance(self.json, dict):
             self.json = _json.dumps(self.json)
+        if isinstance(self.grammar, str) and is_lark(self.grammar):  # as vLLM accepts it
+            try:
+                self.grammar = lark_to_ebnf(self.grammar)
+            except ValueError as e:
+                raise ValueError(f"grammar (Lark): {e}") from None
 
     @property
     def key(self) -> tuple[str, str]:

@@ -179,3 +179,27 @@ def test_stop_strings_end_n_children_and_dead_end_grammars_fail(smollm2_llm: LLM
     )  # fmt: skip
     assert failed.outputs[0].finish_reason == "error" and "could not continue" in failed.error
     assert fine.outputs[0].token_ids
+
+
+LARK_SUM = """
+// a sum of up to three small numbers, in Lark as vLLM accepts it
+?start: sum "="
+sum: number [" + " number [" + " number]]
+number: DIGIT [DIGIT]
+DIGIT: "0" | "1" | "2" | "3" | "4" | "5" | "6" | "7" | "8" | "9"
+"""
+
+
+def test_lark_grammars_constrain_like_their_ebnf(smollm2_llm: LLM) -> None:
+    constraint = StructuredOutputsParams(grammar=LARK_SUM)
+    params = SamplingParams(
+        temperature=0.8, seed=3, max_tokens=40, n=4, structured_outputs=constraint
+    )
+    (out,) = smollm2_llm.generate(["Add some numbers: "], params, use_tqdm=False)
+    for c in out.outputs:
+        assert re.fullmatch(r"[0-9]{1,2}( \+ [0-9]{1,2}){0,2}=", c.text), c.text
+        assert c.finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"grammar \(Lark\).*%import"):
+        StructuredOutputsParams(grammar="%import common.NUMBER\nstart: NUMBER")
+    with pytest.raises(ValueError, match=r"/regex/ terminals"):
+        StructuredOutputsParams(grammar="start: /[a-z]+/")
