@@ -10,6 +10,7 @@ import signal
 
 import psutil
 import pytest
+from helpers import PROMPTLY_S
 
 from tokenmill import LLM, AsyncLLM, EngineDeadError, SamplingParams
 
@@ -104,7 +105,7 @@ def test_dropping_the_engine_stops_the_core(tiny_model) -> None:
     del engine
     gc.collect()
     try:
-        core.wait(timeout=5)
+        core.wait(timeout=PROMPTLY_S)
     except psutil.TimeoutExpired:
         core.kill()
         pytest.fail("the engine core outlived its garbage-collected AsyncLLM")

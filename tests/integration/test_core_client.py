@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 import zmq
-from helpers import free_port_pair
+from helpers import AT_ONCE_S, PROMPTLY_S, free_port_pair
 
 from tokenmill import LLM, EngineDeadError
 from tokenmill.frontend.core_client import SyncMPClient
@@ -71,7 +71,7 @@ def test_a_utility_call_without_answer_fails_at_its_deadline(tiny_model) -> None
             started = time.monotonic()
             with pytest.raises(TimeoutError, match="get_stats got no answer"):
                 client.call_utility("get_stats", timeout=1.0)
-            assert 1.0 <= time.monotonic() - started < 3.0
+            assert 1.0 <= time.monotonic() - started < 1.0 + AT_ONCE_S
         finally:
             client.shutdown()
 
@@ -83,7 +83,7 @@ def test_a_core_that_dies_during_a_utility_call_fails_it(tiny_model) -> None:
             started = time.monotonic()
             with pytest.raises(EngineDeadError):
                 client.call_utility("get_stats", timeout=30.0)
-            assert got_utility.is_set() and time.monotonic() - started < 5.0
+            assert got_utility.is_set() and time.monotonic() - started < PROMPTLY_S
             with pytest.raises(EngineDeadError):  # and every later call, at once
                 client.call_utility("get_stats")
         finally:

@@ -17,7 +17,7 @@ import msgspec
 import psutil
 import pytest
 import zmq
-from helpers import free_port_pair, raw_core_client, running_daemon
+from helpers import PROMPTLY_S, free_port_pair, raw_core_client, running_daemon
 
 from tokenmill import LLM, EngineDeadError, SamplingParams
 from tokenmill.protocol.codec import Encoder
@@ -85,8 +85,8 @@ def test_killed_daemon_fails_every_client(tiny_model) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         for t in threads:
-            t.join(10)
-        assert time.monotonic() - killed < 5.0
+            t.join(PROMPTLY_S)
+        assert time.monotonic() - killed < PROMPTLY_S
         assert len(errors) == 2 and all(isinstance(e, EngineDeadError) for e in errors)
         with pytest.raises(EngineDeadError):
             clients[0].generate(PROMPTS[:1], GREEDY, use_tqdm=False)
@@ -197,7 +197,7 @@ def test_reconnecting_client_survives_a_daemon_restart(tiny_model) -> None:
         ]  # fmt: skip
         second = subprocess.Popen(command)
         try:
-            thread.join(120)
+            thread.join(600)  # the rest of 16 x 900 tokens, however slow the machine
             assert "error" not in result, result.get("error")
             outputs = result["outputs"]
             assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from helpers import is_running
+from helpers import AT_ONCE_S, PROMPTLY_S, is_running
 
 from tokenmill import LLM, EngineDeadError, SamplingParams
 
@@ -66,11 +66,11 @@ def test_killed_core_fails_pending_and_new_calls(mp_llm: LLM) -> None:
             mp_llm.generate(prompts, long_run, use_tqdm=False)
     finally:
         killer.cancel()
-    assert time.monotonic() - started < 1.0 + 5.0
+    assert time.monotonic() - started < 1.0 + PROMPTLY_S
     started = time.monotonic()
     with pytest.raises(EngineDeadError):
         mp_llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < AT_ONCE_S
 
 
 def test_core_exits_when_the_frontend_is_killed(tiny_model) -> None:
