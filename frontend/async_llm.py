@@ -35,6 +35,7 @@ from tokenmill.protocol.messages import (
     EngineCoreRequest,
     SamplingParams,
     SchedulerStats,
+    check_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ class AsyncLLM:
             raise EngineDeadError(str(self.dead))
         arrival = time.monotonic()
         if isinstance(prompt, EngineCoreRequest):
-            request, text = prompt, prompt_text
+            # Made by process_inputs, or by hand: checked as the core will decode it.
+            request, text = check_request(prompt), prompt_text
             request_id = request.request_id
         else:
             if sampling_params is None:
