@@ -35,7 +35,6 @@ from tokenmill.protocol.messages import (
     EngineCoreRequest,
     SamplingParams,
     SchedulerStats,
-    check_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -123,8 +122,7 @@ class AsyncLLM:
             raise EngineDeadError(str(self.dead))
         arrival = time.monotonic()
         if isinstance(prompt, EngineCoreRequest):
-            # Made by process_inputs, or by hand: checked as the core will decode it.
-            request, text = check_request(prompt), prompt_text
+            request, text = prompt, prompt_text
             request_id = request.request_id
         else:
             if sampling_params is None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.lark import is_lark, lark_to_ebnf
+from tokenmill.protocol.utils import short_repr
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
@@ -276,9 +277,11 @@ def check_request(request: EngineCoreRequest) -> EngineCoreRequest:
         checked = msgspec.convert(data, EngineCoreRequest)
     except msgspec.ValidationError as e:
         raise ValueError(describe_validation_error(e, data, EngineCoreRequest)) from None
-    where = _int_out_of_range(data, list(EngineCoreRequest.__struct_fields__))
-    if where is not None:  # msgpack carries 64-bit integers only
-        raise ValueError(f"{where[0]}: {where[1]} does not fit in 64 bits")
+    try:
+        msgspec.msgpack.encode(data)
+    except OverflowError:  # msgpack carries 64-bit integers only: say which field
+        where = _int_out_of_range(data, list(EngineCoreRequest.__struct_fields__))
+        raise ValueError(f"{where[0]}: {where[1]} does not fit in 64 bits") from None
     return checked
 
 
@@ -326,13 +329,8 @@ def describe_validation_error(error: msgspec.ValidationError, data: object, type
     # says what is wrong inside it.
     shown = ""
     if found and (message.startswith("Expected") or not isinstance(value, dict)):
-        shown = f" (value: {_short_repr(value)})"
+        shown = f" (value: {short_repr(value)})"
     return f"{where}: {message}{shown}"
-
-
-def _short_repr(value: object, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

@@ -52,6 +52,7 @@ from tokenmill.protocol import envs
 from tokenmill.protocol.config import add_engine_args, engine_args_from
 from tokenmill.protocol.default_model import DEFAULT_MODEL
 from tokenmill.protocol.sockets import is_loopback_host
+from tokenmill.protocol.utils import short_repr
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -265,15 +266,10 @@ def _validation_error(e: RequestValidationError) -> ServingError:
     if field is None:  # the body as a whole: not a JSON object (or sent without its type)
         return ServingError(
             f"the request body must be a JSON object sent with Content-Type: "
-            f"application/json ({first.get('msg')}; got {_short(value)})",
+            f"application/json ({first.get('msg')}; got {short_repr(value)})",
             400,
         )
-    return ServingError(f"{field}: {first.get('msg')} (got {_short(value)})", 400, field)
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return ServingError(f"{field}: {first.get('msg')} (got {short_repr(value)})", 400, field)
 
 
 def _is_type_name(part: str) -> bool:
