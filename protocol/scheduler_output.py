@@ -39,10 +39,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignor
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # Requests that ended since the last step: workers drop their state.
+    # Requests that ended (finished or aborted) since the last step: workers drop their state.
     finished_req_ids: list[str] = []
-    # Requests preempted since the last step: workers drop their state too; each comes back
-    # later as a new request carrying the tokens it had produced.
+    # Requests preempted since the last step: workers free their rows but keep their state
+    # (its random generator, above all); each comes back later as a new request carrying the
+    # tokens it had produced, and goes on from that state.
     preempted_req_ids: list[str] = []
     # Structured outputs: the requests whose token this step is constrained, and their rows
     # of allowed tokens (xgrammar's packed bitmask: [n, ceil(V / 32)] int32, bit j of word w

@@ -1,16 +1,21 @@
-"""The model runner's persistent batch: one row per request the workers know about.
+"""The model runner's persistent batch: one row per request scheduled in the workers.
 
-Rows hold each request's tokens, block table and sampling settings in numpy arrays, so a
-step only gathers from them. `apply(scheduler_output)` keeps the rows in step with the
-scheduler's diff: finished and preempted requests leave, new ones take a free row, known
-ones get their new block ids and progress. The runner appends each sampled token itself.
-With async scheduling the next step's apply() runs while a step still samples: a row that
-step may write is not given to another request until the apply() after.
+What belongs to a request lives in its `RequestState`, kept by request id from its first
+step until it finishes or is aborted, through any number of preemptions: its sampling
+parameters and its own random generator, which a resumed request goes on drawing from where
+it stopped. Rows hold what a step reads, in numpy arrays, so that a step only gathers from
+them: tokens, block table, sampling settings. `apply(scheduler_output)` keeps the rows in step
+with the scheduler's diff: finished requests leave with their state, preempted ones leave
+their row only, new and resumed ones take a free row, known ones get their new block ids and
+progress. The runner appends each sampled token itself. With async scheduling the next step's
+apply() runs while a step still samples: a row that step may write is not given to another
+request until the apply() after.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +24,16 @@ from tokenmill.protocol.messages import SamplingParams
 from tokenmill.protocol.scheduler_output import NewRequestData, SchedulerOutput
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.sampler import Penalties, SamplingMetadata
+
+
+@dataclass(eq=False)
+class RequestState:
+    """A request as the workers know it, whether it holds a row or is preempted."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    # A seeded sampled request's own stream of draws (None: the sampler's shared one).
+    generator: torch.Generator | None
 
 
 class InputBatch:
@@ -63,6 +78,8 @@ class InputBatch:
         self.num_logprobs: dict[int, int] = {}
         self.num_prompt_logprobs: dict[int, int] = {}
         self.row_of: dict[str, int] = {}
+        # Every request from its first step until it finishes or is aborted, preempted or not.
+        self.requests: dict[str, RequestState] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Rows freed while a step that may still write them was running (async scheduling):
         # free from the next apply() on, when that step has read and written its rows.
@@ -74,6 +91,8 @@ class InputBatch:
         self.free_rows += self.released_rows
         self.released_rows.clear()
         freed = self.released_rows if defer_free else self.free_rows
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
         for req_id in itertools.chain(out.finished_req_ids, out.preempted_req_ids):
             row = self.row_of.pop(req_id, None)
             if row is not None:
@@ -109,6 +128,13 @@ class InputBatch:
     def _add(self, new: NewRequestData) -> None:
         if new.req_id in self.row_of:
             raise ValueError(f"request {new.req_id!r} is already in the batch")
+        params: SamplingParams = new.sampling_params
+        state = self.requests.get(new.req_id)
+        if state is None:  # its first step (otherwise it resumes after a preemption)
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+            state = self.requests[new.req_id] = RequestState(new.req_id, params, generator)
         row = self.free_rows.pop()
         self.row_of[new.req_id] = row
         tokens = new.prompt_token_ids + new.output_token_ids
@@ -119,7 +145,6 @@ class InputBatch:
         self.block_table[row] = 0
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
-        params: SamplingParams = new.sampling_params
         self.temperature[row] = 0.0 if params.greedy else params.temperature
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
@@ -150,13 +175,8 @@ class InputBatch:
             # (A request resumed after its first token has sent its prompt logprobs.)
             k = params.prompt_logprobs
             self.num_prompt_logprobs[row] = self.vocab_size if k == -1 else k
-        if params.seed is not None and not params.greedy:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-            # A preempted request comes back with outputs: replay the draws the sampler made
-            # for them (one vocabulary-sized draw per token) so it continues where it was.
-            for _ in new.output_token_ids:
-                torch.empty(self.vocab_size, device=self.device).exponential_(generator=generator)
-            self.generators[row] = generator
+        if state.generator is not None:
+            self.generators[row] = state.generator
 
     def _track_tokens(self, row: int, prompt: list[int], outputs: list[int]) -> None:
         if self.output_counts is None:
