@@ -298,7 +298,7 @@ class EngineCore:
                 self.add_step_time("executor", executed - submitted - runner)
             self.add_step_time("update", time.perf_counter() - executed)
             self.num_timed_steps += 1
-        self._stats.record(self, scheduler_output.total_num_scheduled_tokens, outputs)
+        self._stats.record(self, scheduler_output, outputs)
         return outputs
 
     def make_stats(self) -> SchedulerStats:
@@ -311,13 +311,29 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions,
+            spec_decode_num_drafts=scheduler.spec_num_drafts,
+            spec_decode_num_draft_tokens=scheduler.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=scheduler.spec_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(scheduler.spec_accepted_per_pos),
         )
 
     def get_stats(self) -> dict[str, Any]:
         """The scheduler stats every output carries (make_stats; the prefix-cache figures
-        are token counts since start-up), plus the cache's size."""
+        are token counts since start-up), plus the cache's size; with speculative decoding
+        the acceptance rate (accepted / proposed tokens) and mean acceptance length (tokens
+        emitted per verifying step, the bonus token included), as vLLM reports them."""
+        stats = self.make_stats()
+        spec = {}
+        if self.config.speculative_config is not None:
+            drafts, proposed = stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens
+            accepted = stats.spec_decode_num_accepted_tokens
+            spec = {
+                "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+                "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            }
         return {
-            **msgspec.structs.asdict(self.make_stats()),
+            **msgspec.structs.asdict(stats),
+            **spec,
             "num_blocks": self.kv_sizing.num_blocks,
             "block_size": self.kv_sizing.block_size,
             "max_model_len": self.config.model_config.max_model_len,
@@ -384,10 +400,13 @@ class _StepStats:
         self.last_queries = 0
         self.last_hits = 0
 
-    def record(self, core: EngineCore, num_scheduled: int, outputs: EngineCoreOutputs) -> None:
+    def record(self, core: EngineCore, out: SchedulerOutput, outputs: EngineCoreOutputs) -> None:
         generated = sum(len(o.new_token_ids) for o in outputs.outputs)
         self.generated_tokens += generated
-        self.prompt_tokens += num_scheduled - generated
+        # Scheduled tokens: prompt tokens, one per request that samples, verified proposals.
+        proposed = sum(len(t) for t in out.scheduled_spec_decode_tokens.values())
+        sampled = sum(1 for o in outputs.outputs if o.new_token_ids)
+        self.prompt_tokens += max(0, out.total_num_scheduled_tokens - proposed - sampled)
         now = time.monotonic()
         elapsed = now - self.last_log
         if elapsed < self.interval:

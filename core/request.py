@@ -86,6 +86,8 @@ class Request:
         self.prompt_logprobs_sent = False
         # Structured outputs: the xgrammar matcher, advanced on every accepted token.
         self.grammar: Any = None
+        # Speculative decoding: the tokens proposed for its next step (from the workers).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -177,6 +177,61 @@ class LoadConfig:
     load_format: Literal["auto", "dummy"] = "auto"
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, under vLLM's `speculative_config` keys. Each step a request is
+    given up to `num_speculative_tokens` proposed tokens, which the target model verifies in
+    one forward (1 + k tokens) and the rejection sampler accepts or replaces.
+
+    ngram: the proposal continues the latest earlier occurrence of the longest suffix of the
+    request's tokens (prompt and output) of `prompt_lookup_min` to `prompt_lookup_max`
+    tokens (one given: the other takes its value; neither: both 5, as vLLM).
+    draft_model: a smaller model with the target's tokenizer proposes (`model`).
+    `disable_by_batch_size`: steps with more running requests than this do not speculate
+    (vLLM's key; None: always speculate)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        name = "speculative_config"
+        _check(self.method in SPECULATIVE_METHODS, f"{name}.method", self.method,
+               f"one of {SPECULATIVE_METHODS}")  # fmt: skip
+        k = self.num_speculative_tokens
+        _check(isinstance(k, int) and k >= 1, f"{name}.num_speculative_tokens", k, "an int >= 1")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        low, high = (low or high or 5), (high or low or 5)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        _check(low >= 1, f"{name}.prompt_lookup_min", low, "at least 1")
+        _check(high >= low, f"{name}.prompt_lookup_max", high, f">= prompt_lookup_min ({low})")
+        if self.method == "draft_model":
+            _check(bool(self.model), f"{name}.model", self.model, "a draft model folder")
+        if self.disable_by_batch_size is not None:
+            _check(self.disable_by_batch_size >= 1, f"{name}.disable_by_batch_size",
+                   self.disable_by_batch_size, "at least 1 (or None)")  # fmt: skip
+
+    @staticmethod
+    def from_user(value: Any) -> SpeculativeConfig | None:
+        """From `LLM(speculative_config=...)`: a dict (or JSON text) of vLLM's keys."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            value = json.loads(value)
+        _check(isinstance(value, dict), "speculative_config", value, "a dict of vLLM's keys")
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        _check(not unknown, "speculative_config", unknown, f"keys among {sorted(known)}")
+        return SpeculativeConfig(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The bus: one object that every engine-side constructor receives."""
@@ -187,6 +242,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     load_config: LoadConfig
+    speculative_config: SpeculativeConfig | None = None
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         model_config = dataclasses.replace(self.model_config, max_model_len=max_model_len)
@@ -223,6 +279,7 @@ class EngineArgs:
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
     generation_config: str = "auto"  # "auto" (the model's file) | "vllm" (none) | a folder
+    speculative_config: dict | None = None  # vLLM's keys; see SpeculativeConfig
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -269,6 +326,7 @@ class EngineArgs:
             parallel_config=_parallel_config(self, model_config),
             device_config=_device_config(self, device),
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
+            speculative_config=SpeculativeConfig.from_user(self.speculative_config),
         )
 
 
@@ -276,10 +334,15 @@ def _async_scheduling(args: EngineArgs, device: str) -> bool:
     """vLLM's default where it pays: a GPU step is short enough for the core's CPU work to
     matter. On the CPU the forward dwarfs it, and the overlap costs a thread (measured in
     scripts/bench_throughput.py --async-scheduling both)."""
+    speculative = args.speculative_config is not None
     if args.async_scheduling is None:
-        return device == "cuda"
+        return device == "cuda" and not speculative
     _check(isinstance(args.async_scheduling, bool), "async_scheduling", args.async_scheduling,
            "True, False or None")  # fmt: skip
+    # A proposal is made from the step's sampled tokens, which async scheduling does not wait
+    # for before it schedules the next step.
+    _check(not (args.async_scheduling and speculative), "async_scheduling",
+           args.async_scheduling, "False (or unset) with speculative_config")  # fmt: skip
     return args.async_scheduling
 
 
@@ -502,6 +565,9 @@ ENGINE_ARG_HELP = {
     "cudagraph_capture_sizes": "the batch sizes CUDA graphs are captured for",
     "generation_config": "sampling defaults: auto (the model's generation_config.json), "
     "vllm (none), or a folder holding a generation_config.json",
+    "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", '
+    '"num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "draft_model", '
+    '"model": FOLDER, "num_speculative_tokens": 3}',
 }
 
 
@@ -543,6 +609,8 @@ def add_engine_args(parser: Any) -> None:
             parser.add_argument(
                 flag, action=_BooleanFlag, default=f.default, metavar="BOOL", help=helptext
             )
+        elif dict in members:  # JSON text
+            parser.add_argument(flag, type=json.loads, default=f.default, help=helptext)
         elif lists:  # list[int]: space-separated values
             (item,) = typing.get_args(lists[0])
             parser.add_argument(flag, type=item, nargs="+", default=f.default, help=helptext)

@@ -50,6 +50,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignor
     # allows token 32 * w + j).
     grammar_req_ids: list[str] = []
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: the proposed tokens each request verifies this step (it is
+    # scheduled for 1 + len(proposal) tokens: its last sampled token, then the proposal).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -64,6 +67,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ign
     logprobs: LogprobsArrays | None = None
     # Prompt logprobs of this step's prefill chunks, per request asking for them.
     prompt_logprobs: dict[str, LogprobsArrays] = {}
+    # Speculative decoding: the tokens proposed for each request's next step, made once its
+    # tokens of this step are known (requests that may speculate only).
+    spec_token_ids: dict[str, list[int]] = {}
 
 
 class KVCacheSpec(msgspec.Struct, frozen=True, array_like=True):  # type: ignore[call-arg]

@@ -34,6 +34,10 @@ class RequestState:
     sampling_params: SamplingParams
     # A seeded sampled request's own stream of draws (None: the sampler's shared one).
     generator: torch.Generator | None
+    # Speculative decoding verifies proposals with logits adjusted alike at every position,
+    # so requests whose adjustment depends on the tokens before (penalties, bad words) or
+    # that report logprobs or follow a grammar do not speculate (min_tokens: once it is out).
+    may_speculate: bool = False
 
 
 class InputBatch:
@@ -78,6 +82,7 @@ class InputBatch:
         self.num_logprobs: dict[int, int] = {}
         self.num_prompt_logprobs: dict[int, int] = {}
         self.row_of: dict[str, int] = {}
+        self.req_ids: list[str | None] = [None] * max_num_reqs  # row -> its request
         # Every request from its first step until it finishes or is aborted, preempted or not.
         self.requests: dict[str, RequestState] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -134,9 +139,18 @@ class InputBatch:
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
-            state = self.requests[new.req_id] = RequestState(new.req_id, params, generator)
+            may_speculate = not (
+                params.has_penalties
+                or params.bad_words_token_ids
+                or params.logprobs is not None
+                or params.structured_outputs is not None
+            )
+            state = self.requests[new.req_id] = RequestState(
+                new.req_id, params, generator, may_speculate
+            )
         row = self.free_rows.pop()
         self.row_of[new.req_id] = row
+        self.req_ids[row] = new.req_id
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
@@ -191,6 +205,23 @@ class InputBatch:
             ids = torch.tensor(outputs, device=self.device)
             self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         self.penalty_rows.add(row)
+
+    def may_speculate(self, row: int) -> bool:
+        req_id = self.req_ids[row]
+        assert req_id is not None
+        state = self.requests[req_id]
+        num_output = self.num_tokens[row] - self.num_prompt_tokens[row]
+        return state.may_speculate and num_output >= self.min_tokens[row]
+
+    def append_token_lists(self, rows: np.ndarray, token_lists: list[list[int]]) -> None:
+        """Appends each row's tokens (one or more), in order."""
+        if all(len(t) == 1 for t in token_lists):
+            self.append_tokens(rows, np.array([t[0] for t in token_lists], dtype=np.int64))
+            return
+        for depth in range(max(len(t) for t in token_lists)):
+            have = [i for i, t in enumerate(token_lists) if len(t) > depth]
+            tokens = np.array([token_lists[i][depth] for i in have], dtype=np.int64)
+            self.append_tokens(rows[have], tokens)
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids

@@ -37,6 +37,7 @@ from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.layers.custom_op import use_triton_layers
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
+from tokenmill.worker.spec_decode import NgramProposer, ranks_within, rejection_sample
 from tokenmill.worker.staging import HostStaging
 
 T = TypeVar("T")
@@ -63,6 +64,13 @@ class ModelRunner:
         self.ids_staging = HostStaging(device, torch.int64)  # the device's part: input tokens
         self.step_timing = envs.TOKENMILL_STEP_TIMING
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
+        spec = config.speculative_config
+        self.proposer: NgramProposer | None = None
+        if spec is not None and spec.method == "ngram":
+            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
         # Called as each step's forward starts (the in-process executor's async scheduling
         # times the core's work to it; see UniProcExecutor).
         self.on_forward: Callable[[], None] | None = None
@@ -273,6 +281,14 @@ class ModelRunner:
         )
         starts = batch.num_computed_tokens[rows]
         seq_lens = starts + query_lens
+        spec = out.scheduled_spec_decode_tokens
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        for i, req_id in enumerate(req_ids if spec else ()):
+            drafts = spec.get(req_id)
+            if drafts:  # after the request's last token: its input for this step
+                row, n = rows[i], batch.num_tokens[rows[i]]
+                batch.token_ids[row, n : n + len(drafts)] = drafts
+                num_drafts[i] = len(drafts)
         cu_query = np.concatenate(([0], np.cumsum(query_lens)))
         total = int(cu_query[-1])
         token_rows = np.repeat(rows, query_lens)
@@ -285,8 +301,13 @@ class ModelRunner:
         # (With steps overlapped, a count may still lack the token the step before is
         # sampling; the comparison holds either way, that request's step being one decode.)
         done = seq_lens >= batch.num_tokens[rows]
-        gather = int(np.count_nonzero(done)) not in (0, total)
-        last_token = cu_query[1:][done] - 1
+        # The hidden states that give logits: each sampling request's last, and before it
+        # one per proposed token it verifies.
+        num_drafts = num_drafts[done]
+        last_token = np.repeat(cu_query[1:][done], num_drafts + 1) - 1
+        if num_drafts.any():
+            last_token -= np.repeat(num_drafts, num_drafts + 1) - ranks_within(num_drafts + 1)
+        gather = len(last_token) not in (0, total)
 
         num_decodes = int(np.count_nonzero(query_lens == 1))
         block_table = batch.block_table[rows, : cdiv(int(seq_lens.max()), bs)]
@@ -297,7 +318,8 @@ class ModelRunner:
             token_rows=token_rows,
             positions=positions,
             done=done,
-            sample_rows=rows[done],
+            sample_rows=np.repeat(rows[done], num_drafts + 1),
+            num_drafts=num_drafts if num_drafts.any() else None,
             prompt_logprobs=self._prompt_logprob_chunks(rows, starts, cu_query),
             timer=timer,
         )
@@ -364,6 +386,7 @@ class ModelRunner:
 
         req_ids = step.req_ids
         sampled_ids: list[list[int]] = [[] for _ in req_ids]
+        spec_token_ids: dict[str, list[int]] = {}
         logprobs, logprobs_req_ids = None, []
         prompt_logprobs = {}
         for i, at, targets, k in step.prompt_logprobs:
@@ -376,17 +399,33 @@ class ModelRunner:
             if timer is not None:
                 timer.lap("logits")
             sampling = np.flatnonzero(step.done).tolist()  # positions in req_ids
+            num_drafts = step.num_drafts
+            # Per row of logits: the position in req_ids of the request it samples for.
+            owners = sampling if num_drafts is None else np.repeat(sampling, num_drafts + 1)
             if step.out.grammar_req_ids:
-                apply_grammar_bitmask(logits, [req_ids[i] for i in sampling], step.out)
-            sampled = self.sampler(logits, meta)
+                apply_grammar_bitmask(logits, [req_ids[i] for i in owners], step.out)
+            if num_drafts is None:
+                sampled = self.sampler(logits, meta)
+                token_lists = [[t] for t in sampled.cpu().tolist()]
+            else:
+                drafts = step.out.scheduled_spec_decode_tokens
+                draft_ids = [t for i in sampling for t in drafts.get(req_ids[i], ())]
+                token_lists = rejection_sample(
+                    self.sampler, logits, meta, num_drafts, np.array(draft_ids, dtype=np.int64)
+                )
+                # (Requests asking for logprobs do not speculate: one row each.)
+                sampled = torch.tensor([t[-1] for t in token_lists], device=logits.device)
+                sampled = sampled.repeat_interleave(torch.from_numpy(num_drafts + 1))
             if wants:  # from the raw logits, before any adjustment
                 at_t = torch.tensor(wants, device=logits.device)
                 logprobs = compute_logprobs(logits[at_t], sampled[at_t], top_k)
-                logprobs_req_ids = [req_ids[sampling[i]] for i in wants]
-            tokens = sampled.cpu().numpy()
-            batch.append_tokens(sample_rows, tokens)
-            for i, token in zip(sampling, tokens.tolist()):
-                sampled_ids[i] = [token]
+                logprobs_req_ids = [req_ids[owners[i]] for i in wants]
+            request_rows = sample_rows if num_drafts is None else step.rows[step.done]
+            batch.append_token_lists(request_rows, token_lists)
+            for i, tokens in zip(sampling, token_lists):
+                sampled_ids[i] = tokens
+            if self.proposer is not None:
+                spec_token_ids = self._propose(req_ids, sampling, request_rows)
         step_times = None
         if timer is not None:
             timer.lap("sample")
@@ -398,7 +437,23 @@ class ModelRunner:
             logprobs_req_ids=logprobs_req_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            spec_token_ids=spec_token_ids,
         )
+
+    def _propose(
+        self, req_ids: list[str], sampling: list[int], rows: np.ndarray
+    ) -> dict[str, list[int]]:
+        """The n-gram proposals for the requests that sampled and may speculate."""
+        batch = self.input_batch
+        assert batch is not None and self.proposer is not None
+        proposals = {}
+        for i, row in zip(sampling, rows.tolist()):
+            if not batch.may_speculate(row):
+                continue
+            proposal = self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
+            if proposal:
+                proposals[req_ids[i]] = proposal
+        return proposals
 
     def _prompt_logprob_chunks(
         self, rows: np.ndarray, starts: np.ndarray, cu_query: np.ndarray
@@ -571,7 +626,9 @@ class _Step:
     token_rows: np.ndarray  # per scheduled token: its row and position
     positions: np.ndarray
     done: np.ndarray  # per request: whether it samples this step
-    sample_rows: np.ndarray
+    sample_rows: np.ndarray  # per row of logits: its batch row
+    # per sampling request (in req_ids order): the proposed tokens it verifies; None: none
+    num_drafts: np.ndarray | None
     prompt_logprobs: list[tuple[int, tuple[int, int], np.ndarray, int]]
     timer: _StepTimer | None
     # Either the decode graphs' inputs (slot mapping, sequence lengths, block table), or the

@@ -56,9 +56,20 @@ class Sampler:
         self.generator = generator  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy_tokens, probs = self.distributions(logits, meta)
+        if probs is None:
+            return greedy_tokens
+        return torch.where(meta.temperature == 0.0, greedy_tokens, self.race(probs, meta))
+
+    def distributions(
+        self, logits: torch.Tensor, meta: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's greedy token (after the adjustments) and, unless every row is greedy,
+        its distribution to sample from (temperature, min-p, top-k, top-p applied; a greedy
+        request's row holds its distribution at temperature 1, unused)."""
         if meta.all_greedy and not meta.adjusts_logits:
             # Upcasting is exact: 16-bit logits have the argmax of their fp32 copy.
-            return first_arg(logits, largest=True)
+            return first_arg(logits, largest=True), None
         if meta.adjusts_logits:
             # On a copy: the caller's logits stay as they were.
             logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
@@ -67,7 +78,7 @@ class Sampler:
             logits = logits.float()
         greedy_tokens = first_arg(logits, largest=True)
         if meta.all_greedy:
-            return greedy_tokens
+            return greedy_tokens, None
         greedy = meta.temperature == 0.0
         temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temperature.unsqueeze(1)
@@ -78,16 +89,38 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        # The race argmax(p / q), q ~ Exp(1) = -log(U), taken as argmin(p / log U) in place.
-        log_u = torch.empty_like(probs)
-        seeded = meta.generators
-        if len(seeded) < log_u.shape[0]:
-            _log_uniform(log_u, self.generator)
-        for row, generator in seeded.items():
-            _log_uniform(log_u[row], generator)
-        sampled = first_arg(probs.div_(log_u), largest=False)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return greedy_tokens, logits.softmax(dim=-1)
+
+    def race(
+        self, probs: torch.Tensor, meta: SamplingMetadata, rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """One token per row of `probs` (unnormalized weights will do), drawn exactly as
+        multinomial sampling: the race argmax(p / q), q ~ Exp(1) = -log(U), taken as
+        argmin(p / log U) in place (probs is overwritten). `rows`: the rows of `meta` that
+        probs' rows are (default: the same), for their generators."""
+        log_u = self._draws(probs, meta, rows, _log_uniform)
+        return first_arg(probs.div_(log_u), largest=False)
+
+    def uniform(
+        self, num: int, meta: SamplingMetadata, rows: list[int], device: torch.device
+    ) -> torch.Tensor:
+        """One U[0, 1) draw for each of `rows` (rows of meta), from its request's stream."""
+        out = torch.empty(num, 1, device=device)
+        return self._draws(out, meta, rows, lambda t, g: t.uniform_(generator=g))[:, 0]
+
+    def _draws(self, like: torch.Tensor, meta: SamplingMetadata, rows, fill) -> torch.Tensor:
+        """A tensor shaped like `like`, row i filled by fill(row, generator) from the
+        generator of meta row rows[i] (seeded requests) or the shared one."""
+        out = torch.empty_like(like)
+        if rows is None:
+            seeded = meta.generators
+        else:
+            seeded = {i: meta.generators[r] for i, r in enumerate(rows) if r in meta.generators}
+        if len(seeded) < out.shape[0]:
+            fill(out, self.generator)
+        for row, generator in seeded.items():  # in row order: a request's draws in turn
+            fill(out[row], generator)
+        return out
 
 
 _ARG_CHUNK = 1024

@@ -9,6 +9,13 @@ priority policy) is preempted: freed, re-queued, recomputed later, reusing whate
 blocks is still cached. EngineCore calls `schedule()` then, with the workers' sampled tokens,
 `update_from_output()`, which applies stop conditions and builds `EngineCoreOutputs`.
 
+With speculative decoding a running request that holds proposed tokens (from the workers'
+last output) is scheduled for 1 + len(proposal) tokens, the proposal cut to the budget and
+to what `max_tokens` and `max_model_len` leave; the update appends the tokens the workers
+accepted, applying stop conditions to each in order, and takes the rejected ones back from
+`num_computed_tokens` (their K/V slots are written again later; no block holding one is
+hashed for the prefix cache, the hashes being made from accepted tokens only).
+
 Under async scheduling the next `schedule()` comes before the last step's update: a request
 whose step samples holds a placeholder for that token (counted as computed, so its next step
 is one more token, which the workers fill in themselves) until the update brings it. Stop
@@ -47,6 +54,15 @@ class Scheduler:
         self.long_prefill_token_threshold = sched.long_prefill_token_threshold
         self.max_model_len = config.model_config.max_model_len
         self.policy = sched.policy
+        spec = config.speculative_config
+        self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        self.spec_disable_by_batch_size = None if spec is None else spec.disable_by_batch_size
+        # Speculative decoding's counters, vLLM's: steps of a request with a proposal, tokens
+        # proposed, tokens accepted, and accepted by position in the proposal.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * self.num_spec_tokens
         cache = config.cache_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching
@@ -103,7 +119,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
-        budget, preempted = self._schedule_running(num_scheduled, cached)
+        spec: dict[str, list[int]] = {}
+        budget, preempted = self._schedule_running(num_scheduled, cached, spec)
         # A step that had to preempt admits nobody: the pool is already short.
         if not preempted:
             budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
@@ -114,6 +131,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=list(self.finished_req_ids),
             preempted_req_ids=list(self.preempted_req_ids),
+            scheduled_spec_decode_tokens=spec,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -126,14 +144,16 @@ class Scheduler:
         return output
 
     def _schedule_running(
-        self, num_scheduled: dict[str, int], cached: CachedRequestData
+        self, num_scheduled: dict[str, int], cached: CachedRequestData, spec: dict[str, list[int]]
     ) -> tuple[int, bool]:
-        """Running requests first: a decode needs one token, a chunked prompt its next chunk.
-        Preempts from the back of `running` while blocks are short. Returns the budget left
-        and whether anything was preempted."""
+        """Running requests first: a decode needs one token (plus its proposal, if any), a
+        chunked prompt its next chunk. Preempts from the back of `running` while blocks are
+        short. Returns the budget left and whether anything was preempted."""
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
         preempted = False
+        limit = self.spec_disable_by_batch_size
+        speculate = self.num_spec_tokens > 0 and (limit is None or len(self.running) <= limit)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -142,6 +162,8 @@ class Scheduler:
             ):
                 i += 1  # the step in flight brings its last token (max_tokens): nothing to run
                 continue
+            proposal = self._proposal(request, budget) if speculate else []
+            request.spec_token_ids = proposal
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 i += 1
@@ -155,6 +177,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new
+            if proposal:
+                spec[request.request_id] = proposal
             budget -= num_new
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_blocks)
@@ -222,8 +246,23 @@ class Scheduler:
             bisect.bisect_right(keys, (request.priority, request.arrival_time)), request
         )
 
+    def _proposal(self, request: Request, budget: int) -> list[int]:
+        """The part of the request's proposal it verifies this step: none unless it is a
+        decode; no more than the budget leaves beside its own token, and no token past
+        max_tokens or max_model_len (a step emits up to len(proposal) + 1 tokens)."""
+        proposal = request.spec_token_ids
+        if not proposal or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = request.max_num_tokens - request.num_tokens - 1
+        return proposal[: max(0, min(room, budget - 1))]
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+        num_new = (
+            request.num_tokens
+            + request.num_output_placeholders
+            + len(request.spec_token_ids)
+            - request.num_computed_tokens
+        )
         if self.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return min(num_new, budget)
@@ -232,6 +271,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         if not request.num_output_placeholders:
             # Recomputed from the start; unless the step in flight completes the prompt: its
             # token is kept, and the prompt logprobs go out with it.
@@ -265,7 +305,13 @@ class Scheduler:
             # preempted meanwhile keeps its token, as in vLLM, and resumes after it.
             if request is None or request.status.finished or not token_ids:
                 continue
-            request.num_output_placeholders -= len(token_ids)
+            request.num_output_placeholders -= 1  # one per step that samples
+            proposal = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if proposal:
+                self._count_accepted(request, proposal, len(token_ids) - 1)
+            # What its next step verifies (a preempted request proposes again once resumed).
+            if request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             new_tokens = []
             finish_reason = None
             error = None
@@ -322,6 +368,15 @@ class Scheduler:
             for request in stopped:
                 self._free(request, request.status)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+
+    def _count_accepted(self, request: Request, proposal: list[int], num_accepted: int) -> None:
+        """A verified proposal: the rejected tokens' K/V slots are computed again later."""
+        request.num_computed_tokens -= len(proposal) - num_accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(proposal)
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         if request.grammar is not None and request.grammar.is_terminated():

@@ -1,0 +1,101 @@
+"""Speculative decoding never changes a greedy output: the mixed workload of the async tests
+(preemption, chunked prefill, prefix hits, stop strings, max_tokens endings, n > 1, a JSON
+schema, logprobs, penalties) plus input-grounded prompts (the answer repeats a passage of the
+prompt, so n-gram proposals are accepted), with speculation off and with n-gram proposals:
+on SmolLM2, and on a tiny random model at TP=1 and TP=2. Sampled requests are held to
+their distribution by tests/unit/test_spec_decode.py instead (their random draws differ)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import smollm2_prompts
+from test_async_scheduling import ENGINE, workload
+from transformers import AutoTokenizer
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}  # fmt: skip
+PASSAGE = (
+    "The committee met on Tuesday to review the budget. After a long discussion the members "
+    "agreed to postpone the decision until the auditors had finished their report, and the "
+    "chair asked every department to send its figures by the end of the month."
+)
+
+
+def grounded_prompts(tokenizer) -> list[list[int]]:
+    asks = [
+        f"Repeat this text exactly:\n\n{PASSAGE}",
+        f"Correct the spelling in this text and write it out again:\n\n"
+        f"{PASSAGE.replace('committee', 'comittee').replace('month', 'mnoth')}",
+    ]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False
+        )
+        for ask in asks
+    ]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+def run(path: str, prompts, params, **engine_args):
+    llm = LLM(path, **{**ENGINE, "max_num_batched_tokens": 96, **engine_args})
+    try:
+        return llm.generate(prompts, params, use_tqdm=False), llm.get_stats()
+    finally:
+        llm.shutdown()
+
+
+def assert_greedy_same(params: list[SamplingParams], expected: list, actual: list) -> None:
+    compared = 0
+    for p, want, got in zip(params, expected, actual):
+        if p.temperature != 0.0 and p.logprobs is None:
+            continue  # sampled and speculating: other draws, same distribution
+        for a, b in zip(want.outputs, got.outputs):
+            assert b.token_ids == a.token_ids, (want.request_id, a.token_ids, b.token_ids)
+            assert (b.text, b.finish_reason, b.stop_reason) == (a.text, a.finish_reason,
+                                                                a.stop_reason)  # fmt: skip
+        compared += 1
+    assert compared >= len(params) - 2
+
+
+def test_smollm2_ngram_greedy_equals_no_speculation(smollm2_path: str) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts, params = workload(smollm2_prompts(tokenizer), text=True)
+    for tokens in grounded_prompts(tokenizer):
+        prompts.append({"prompt_token_ids": tokens})
+        params.append(SamplingParams(temperature=0.0, max_tokens=64))
+    common = dict(multiprocess=False, max_model_len=400, num_gpu_blocks_override=30)
+    expected, stats = run(smollm2_path, prompts, params, **common)
+    actual, spec_stats = run(smollm2_path, prompts, params, speculative_config=NGRAM, **common)
+    assert stats["num_preemptions"] > 0 and spec_stats["num_preemptions"] > 0
+    assert spec_stats["prefix_cache_hits"] > 0
+    assert_greedy_same(params, expected, actual)
+    # The grounded answers copy their prompt: most proposals there are accepted.
+    assert spec_stats["spec_decode_num_accepted_tokens"] > 40, spec_stats
+    assert spec_stats["spec_decode_acceptance_rate"] > 0.2, spec_stats
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tiny_model_ngram_greedy_equals_no_speculation(tiny_model, tp: int) -> None:
+    path = str(tiny_model("llama-gqa"))
+    base = [[(11 * i + 5 * j) % 480 + 3 for j in range(n)] for i, n in
+            enumerate((3, 9, 17, 30, 41, 66, 100, 130))]  # fmt: skip
+    prompts, params = workload(base, text=False)
+    for i in range(4):  # periodic prompts: the model's continuation often follows the period
+        prompts.append({"prompt_token_ids": [3 + (j % (3 + i)) for j in range(60)]})
+        params.append(SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    common = dict(skip_tokenizer_init=True, tensor_parallel_size=tp, multiprocess=False)
+    expected, stats = run(path, prompts, params, **common)
+    actual, spec_stats = run(path, prompts, params, speculative_config=NGRAM, **common)
+    assert stats["num_preemptions"] > 0 and spec_stats["num_preemptions"] > 0
+    assert_greedy_same(params, expected, actual)
+    assert spec_stats["spec_decode_num_drafts"] > 0, spec_stats
+
+
+def test_async_scheduling_with_speculation_is_refused(tiny_model) -> None:
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(str(tiny_model("llama-gqa")), skip_tokenizer_init=True, async_scheduling=True,
+            speculative_config=NGRAM, multiprocess=False)  # fmt: skip
