@@ -199,6 +199,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = None
+    # draft_model: the draft's config, filled in by EngineArgs.create_engine_config.
+    draft_model_config: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         name = "speculative_config"
@@ -226,7 +228,7 @@ class SpeculativeConfig:
         if isinstance(value, str):
             value = json.loads(value)
         _check(isinstance(value, dict), "speculative_config", value, "a dict of vLLM's keys")
-        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {"draft_model_config"}
         unknown = sorted(set(value) - known)
         _check(not unknown, "speculative_config", unknown, f"keys among {sorted(known)}")
         return SpeculativeConfig(**value)
@@ -326,8 +328,31 @@ class EngineArgs:
             parallel_config=_parallel_config(self, model_config),
             device_config=_device_config(self, device),
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
-            speculative_config=SpeculativeConfig.from_user(self.speculative_config),
+            speculative_config=_speculative_config(self, model_config, device),
         )
+
+
+def _speculative_config(
+    args: EngineArgs, target: ModelConfig, device: str
+) -> SpeculativeConfig | None:
+    """The user's speculative_config; for a draft model, with the draft's config, which must
+    share the target's vocabulary and reach its max_model_len."""
+    spec = SpeculativeConfig.from_user(args.speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return spec
+    assert spec.model is not None
+    path = resolve_model(spec.model)
+    hf = json.loads((Path(path) / "config.json").read_text())
+    draft_args = dataclasses.replace(args, max_model_len=None, tokenizer=target.tokenizer)
+    draft = _model_config(draft_args, path, hf, device)
+    draft = dataclasses.replace(draft, dtype=target.dtype)
+    _check(draft.vocab_size == target.vocab_size, "speculative_config.model", spec.model,
+           f"a model with the target's vocabulary ({target.vocab_size} tokens, not "
+           f"{draft.vocab_size})")  # fmt: skip
+    _check(target.max_model_len <= draft.max_position_embeddings, "speculative_config.model",
+           spec.model, f"a model reaching max_model_len ({target.max_model_len}; it has "
+           f"{draft.max_position_embeddings} positions)")  # fmt: skip
+    return dataclasses.replace(spec, model=path, draft_model_config=draft)
 
 
 def _async_scheduling(args: EngineArgs, device: str) -> bool:

@@ -34,6 +34,8 @@ def resolve_model(model: str | None) -> str:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model is None or model in _DEFAULT_ALIASES:
         return str(default_model_path())
+    if model == DRAFT_MODEL:
+        return str(draft_model_path())
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return str(path.resolve())
@@ -41,6 +43,44 @@ def resolve_model(model: str | None) -> str:
         f"model={model!r} is neither a local folder with a config.json nor the default model "
         f"({DEFAULT_MODEL!r}); tokenmill never downloads from a model hub, so pass a local path."
     )
+
+
+# A draft for speculative decoding with the default model (no smaller model with its
+# tokenizer ships offline): its first DRAFT_LAYERS layers, with its own final norm and its
+# tied LM head, as an HF folder made once from the default model's.
+DRAFT_MODEL = f"{DEFAULT_MODEL}-draft"
+DRAFT_LAYERS = 8
+
+
+def draft_model_path() -> Path:
+    target = envs.TOKENMILL_CACHE / "models" / f"{DRAFT_MODEL}-{DRAFT_LAYERS}"
+    if (target / "model.safetensors").is_file():
+        return target
+    from safetensors.torch import load_file, save_file
+
+    source = default_model_path()
+    logger.info("Making the draft model %s from %s", target, source)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = DRAFT_LAYERS
+    weights = {
+        name: tensor
+        for name, tensor in load_file(str(source / "model.safetensors")).items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < DRAFT_LAYERS
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".draft-", dir=target.parent))
+    try:
+        for item in source.iterdir():
+            if item.is_file() and item.name not in ("config.json", "model.safetensors"):
+                shutil.copy2(item, staging / item.name)
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def default_model_path() -> Path:

@@ -32,6 +32,7 @@ from tokenmill.protocol.threads import OrderedThread
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 from tokenmill.worker.attention.torch_backend import TorchAttentionBackend, cpu_decode_group_bytes
+from tokenmill.worker.draft_model import DraftModel
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.layers.custom_op import use_triton_layers
@@ -66,7 +67,10 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
         spec = config.speculative_config
         self.proposer: NgramProposer | None = None
-        if spec is not None and spec.method == "ngram":
+        self.drafter: DraftModel | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModel(config, device, make_attention_backend)
+        elif spec is not None:
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
@@ -100,8 +104,16 @@ class ModelRunner:
     def load_model(self) -> None:
         with use_triton_layers(self.use_triton):
             self.model = get_model(self.config, self.device, self.attn_backend)
+            if self.drafter is not None:
+                self.drafter.load()
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Every attention layer's needs: the target's, then the draft model's (whose cache
+        has as many blocks)."""
+        drafts = [] if self.drafter is None else self.drafter.kv_cache_specs()
+        return self._target_kv_cache_specs() + drafts
+
+    def _target_kv_cache_specs(self) -> list[KVCacheSpec]:
         assert self.model is not None
         return [a.kv_cache_spec(self.block_size, self.dtype) for a in self.model.attention_layers()]
 
@@ -111,7 +123,7 @@ class ModelRunner:
         assert self.model is not None
         self.config = config
         self.attn_backend.set_block_bytes(
-            max(spec.page_size_bytes for spec in self.get_kv_cache_specs())
+            max(spec.page_size_bytes for spec in self._target_kv_cache_specs())
         )
         self.kv_caches = []
         for attn in self.model.attention_layers():
@@ -124,6 +136,8 @@ class ModelRunner:
             )
             attn.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.drafter is not None:
+            self.kv_caches += self.drafter.allocate(num_blocks, zeroed_tensor)
         if self.device.type == "cpu":
             commit_pages(self.kv_caches)
         self.input_batch = InputBatch(
@@ -323,7 +337,7 @@ class ModelRunner:
             prompt_logprobs=self._prompt_logprob_chunks(rows, starts, cu_query),
             timer=timer,
         )
-        graphs = self.decode_graphs
+        graphs = self.decode_graphs if self.drafter is None else None
         if graphs is not None and num_decodes == total and graphs.padded_size(total) is not None:
             step.graph_inputs = (slot_mapping, seq_lens, block_table)
             if gather:
@@ -340,6 +354,8 @@ class ModelRunner:
                 dtype=self.dtype,
             )
             step.attn_metadata = self.attn_backend.build_metadata(attn_inputs)
+            if self.drafter is not None:
+                step.draft_metadata = self.drafter.metadata(attn_inputs)
             step.positions_t, last_token_t = self.staging.to_device(positions, last_token)
             step.last_token_t = last_token_t if gather else None
         batch.num_computed_tokens[rows] = seq_lens
@@ -381,6 +397,8 @@ class ModelRunner:
                 self.on_forward()
             with set_forward_context(step.attn_metadata):
                 hidden = self.model(ids_t, step.positions_t)
+            if self.drafter is not None:
+                self.drafter.run_step(ids_t, step.positions_t, step.draft_metadata)
         if timer is not None:
             timer.lap("forward")
 
@@ -424,7 +442,7 @@ class ModelRunner:
             batch.append_token_lists(request_rows, token_lists)
             for i, tokens in zip(sampling, token_lists):
                 sampled_ids[i] = tokens
-            if self.proposer is not None:
+            if self.proposer is not None or self.drafter is not None:
                 spec_token_ids = self._propose(req_ids, sampling, request_rows)
         step_times = None
         if timer is not None:
@@ -443,17 +461,23 @@ class ModelRunner:
     def _propose(
         self, req_ids: list[str], sampling: list[int], rows: np.ndarray
     ) -> dict[str, list[int]]:
-        """The n-gram proposals for the requests that sampled and may speculate."""
+        """The proposals (n-gram or draft model) for the requests that sampled and may
+        speculate."""
         batch = self.input_batch
-        assert batch is not None and self.proposer is not None
-        proposals = {}
-        for i, row in zip(sampling, rows.tolist()):
-            if not batch.may_speculate(row):
-                continue
-            proposal = self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
-            if proposal:
-                proposals[req_ids[i]] = proposal
-        return proposals
+        assert batch is not None
+        eligible = [(i, row) for i, row in zip(sampling, rows.tolist()) if batch.may_speculate(row)]
+        if not eligible:
+            return {}
+        if self.drafter is not None:
+            at = np.array([row for _, row in eligible], dtype=np.int64)
+            lists = self.drafter.propose(batch, at, self.config.model_config.max_model_len)
+        else:
+            assert self.proposer is not None
+            lists = [
+                self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
+                for _, row in eligible
+            ]
+        return {req_ids[i]: p for (i, _), p in zip(eligible, lists) if p}
 
     def _prompt_logprob_chunks(
         self, rows: np.ndarray, starts: np.ndarray, cu_query: np.ndarray
@@ -635,6 +659,7 @@ class _Step:
     # attention metadata and positions on the device.
     graph_inputs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     attn_metadata: object = None
+    draft_metadata: object = None  # the draft model's, for the same step
     positions_t: torch.Tensor | None = None
     last_token_t: torch.Tensor | None = None  # rows of the hidden states that sample
     # Set once the device part has read the batch (the next step may then change it).

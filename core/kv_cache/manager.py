@@ -59,16 +59,18 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Makes room for `num_new_tokens` more tokens after `request.num_computed_tokens`
-        (which already counts `computed_blocks`, the prefix hits of a newly admitted request).
-        Returns the ids of the blocks it added, or None, changing nothing, when the pool is
-        short."""
+        (which already counts `computed_blocks`, the prefix hits of a newly admitted request),
+        and `num_lookahead_tokens` slots beyond them (a draft model's proposal writes its K/V
+        there; they are never registered in the prefix cache). Returns the ids of the blocks
+        it added, or None, changing nothing, when the pool is short."""
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
         total_tokens = request.num_computed_tokens + num_new_tokens
-        num_needed = cdiv(total_tokens, self.block_size) - len(blocks)
+        num_needed = cdiv(total_tokens + num_lookahead_tokens, self.block_size) - len(blocks)
         added: list[KVCacheBlock] = []
         if computed_blocks:
             num_needed -= len(computed_blocks)

@@ -63,6 +63,10 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * self.num_spec_tokens
+        # A draft model writes its proposal's K/V after a request's sampled token.
+        self.num_lookahead_tokens = 0
+        if spec is not None and spec.method == "draft_model":
+            self.num_lookahead_tokens = self.num_spec_tokens
         cache = config.cache_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching
@@ -168,7 +172,8 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            while (new_blocks := kv.allocate_slots(request, num_new, None, lookahead)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -211,7 +216,8 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             num_new = self._num_new_tokens(request, budget)
-            if kv.allocate_slots(request, num_new, hits) is None:
+            lookahead = self._lookahead(request, num_hit_tokens + num_new)
+            if kv.allocate_slots(request, num_new, hits, lookahead) is None:
                 request.num_computed_tokens = 0
                 break
             kv.record_lookup(request, num_hit_tokens)
@@ -245,6 +251,13 @@ class Scheduler:
         self.running.insert(
             bisect.bisect_right(keys, (request.priority, request.arrival_time)), request
         )
+
+    def _lookahead(self, request: Request, num_computed_after: int) -> int:
+        """Slots past this step for the draft model's proposal: only after a step that
+        samples, and never past max_model_len."""
+        if not self.num_lookahead_tokens or num_computed_after < request.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_computed_after))
 
     def _proposal(self, request: Request, budget: int) -> list[int]:
         """The part of the request's proposal it verifies this step: none unless it is a

@@ -1,18 +1,23 @@
 """Speculative decoding never changes a greedy output: the mixed workload of the async tests
 (preemption, chunked prefill, prefix hits, stop strings, max_tokens endings, n > 1, a JSON
 schema, logprobs, penalties) plus input-grounded prompts (the answer repeats a passage of the
-prompt, so n-gram proposals are accepted), with speculation off and with n-gram proposals:
-on SmolLM2, and on a tiny random model at TP=1 and TP=2. Sampled requests are held to
-their distribution by tests/unit/test_spec_decode.py instead (their random draws differ)."""
+prompt, so n-gram proposals are accepted), with speculation off, with n-gram proposals and
+with a draft model: on SmolLM2 (its draft: its own first layers) and on a tiny random model at
+TP=1 and TP=2. A draft that is the target itself must have nearly all its proposals accepted,
+which checks that the draft's KV cache follows the target's through rejections and
+preemptions. Sampled requests are held to their distribution by
+tests/unit/test_spec_decode.py instead (their random draws differ)."""
 
 from __future__ import annotations
 
 import pytest
+from conftest import make_tiny_model
 from helpers import smollm2_prompts
 from test_async_scheduling import ENGINE, workload
 from transformers import AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.protocol.default_model import DRAFT_MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -61,21 +66,40 @@ def assert_greedy_same(params: list[SamplingParams], expected: list, actual: lis
     assert compared >= len(params) - 2
 
 
-def test_smollm2_ngram_greedy_equals_no_speculation(smollm2_path: str) -> None:
+SMOLLM2_ENGINE = dict(multiprocess=False, max_model_len=400, num_gpu_blocks_override=30)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_path: str):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     prompts, params = workload(smollm2_prompts(tokenizer), text=True)
     for tokens in grounded_prompts(tokenizer):
         prompts.append({"prompt_token_ids": tokens})
         params.append(SamplingParams(temperature=0.0, max_tokens=64))
-    common = dict(multiprocess=False, max_model_len=400, num_gpu_blocks_override=30)
-    expected, stats = run(smollm2_path, prompts, params, **common)
-    actual, spec_stats = run(smollm2_path, prompts, params, speculative_config=NGRAM, **common)
-    assert stats["num_preemptions"] > 0 and spec_stats["num_preemptions"] > 0
-    assert spec_stats["prefix_cache_hits"] > 0
+    expected, stats = run(smollm2_path, prompts, params, **SMOLLM2_ENGINE)
+    assert stats["num_preemptions"] > 0
+    return prompts, params, expected
+
+
+def test_smollm2_ngram_greedy_equals_no_speculation(smollm2_path: str, smollm2_reference) -> None:
+    prompts, params, expected = smollm2_reference
+    actual, stats = run(smollm2_path, prompts, params, speculative_config=NGRAM, **SMOLLM2_ENGINE)
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert_greedy_same(params, expected, actual)
     # The grounded answers copy their prompt: most proposals there are accepted.
-    assert spec_stats["spec_decode_num_accepted_tokens"] > 40, spec_stats
-    assert spec_stats["spec_decode_acceptance_rate"] > 0.2, spec_stats
+    assert stats["spec_decode_num_accepted_tokens"] > 40, stats
+    assert stats["spec_decode_acceptance_rate"] > 0.2, stats
+
+
+def test_smollm2_draft_model_greedy_equals_no_speculation(
+    smollm2_path: str, smollm2_reference
+) -> None:
+    prompts, params, expected = smollm2_reference
+    draft = {"method": "draft_model", "model": DRAFT_MODEL, "num_speculative_tokens": 2}
+    actual, stats = run(smollm2_path, prompts, params, speculative_config=draft, **SMOLLM2_ENGINE)
+    assert stats["num_preemptions"] > 0
+    assert_greedy_same(params, expected, actual)
+    assert stats["spec_decode_num_drafts"] > 50, stats
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -93,6 +117,33 @@ def test_tiny_model_ngram_greedy_equals_no_speculation(tiny_model, tp: int) -> N
     assert stats["num_preemptions"] > 0 and spec_stats["num_preemptions"] > 0
     assert_greedy_same(params, expected, actual)
     assert spec_stats["spec_decode_num_drafts"] > 0, spec_stats
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tiny_model_draft_greedy_equals_no_speculation(tiny_model, tmp_path, tp: int) -> None:
+    path = str(tiny_model("llama-gqa"))
+    other = str(make_tiny_model(tmp_path, "llama-gqa", seed=1))  # same shapes, other weights
+    base = [[(11 * i + 5 * j) % 480 + 3 for j in range(n)] for i, n in
+            enumerate((3, 9, 17, 30, 41, 66, 100, 130))]  # fmt: skip
+    prompts, params = workload(base, text=False)
+    common = dict(skip_tokenizer_init=True, tensor_parallel_size=tp, multiprocess=False)
+    expected, _ = run(path, prompts, params, **common)
+    spec = {"method": "draft_model", "model": other, "num_speculative_tokens": 3}
+    actual, stats = run(path, prompts, params, speculative_config=spec, **common)
+    assert stats["num_preemptions"] > 0
+    assert_greedy_same(params, expected, actual)
+    assert stats["spec_decode_num_drafts"] > 0, stats
+    # The target as its own draft, on the greedy requests: its argmax is the target's, so
+    # (up to float ties) every proposal is accepted.
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    spec["model"] = path
+    actual, stats = run(
+        path, [prompts[i] for i in greedy], [params[i] for i in greedy],
+        speculative_config=spec, **common,
+    )  # fmt: skip
+    assert stats["num_preemptions"] > 0
+    assert_greedy_same([params[i] for i in greedy], [expected[i] for i in greedy], actual)
+    assert stats["spec_decode_acceptance_rate"] > 0.97, stats
 
 
 def test_async_scheduling_with_speculation_is_refused(tiny_model) -> None:
