@@ -70,6 +70,17 @@ class PrometheusStatLogger:
         )
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Request steps that verified a speculative proposal."
+        )
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self._spec_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by position in the proposal.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests started.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram(
@@ -239,6 +250,27 @@ class PrometheusStatLogger:
             (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
             (self.preemptions, stats.num_preemptions, last.num_preemptions),
+            (self.spec_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
+            (
+                self.spec_draft_tokens,
+                stats.spec_decode_num_draft_tokens,
+                last.spec_decode_num_draft_tokens,
+            ),
+            (
+                self.spec_accepted,
+                stats.spec_decode_num_accepted_tokens,
+                last.spec_decode_num_accepted_tokens,
+            ),
+            *(
+                (self._spec_per_pos.labels(self.model_name, str(pos)), now, before)
+                for pos, (now, before) in enumerate(
+                    zip(
+                        stats.spec_decode_num_accepted_tokens_per_pos,
+                        last.spec_decode_num_accepted_tokens_per_pos
+                        or [0] * len(stats.spec_decode_num_accepted_tokens_per_pos),
+                    )
+                )
+            ),
         ):
             if now > before:
                 counter.inc(now - before)

@@ -276,3 +276,27 @@ def test_no_proposal_beyond_the_batch_size_limit() -> None:
     out = scheduler.schedule()
     assert out.scheduled_spec_decode_tokens == {}
     assert out.total_num_scheduled_tokens == 2
+
+
+def test_spec_decode_counters_reach_prometheus() -> None:
+    from tokenmill.frontend.metrics import PrometheusStatLogger
+    from tokenmill.protocol.messages import EngineCoreOutputs, SchedulerStats
+
+    logger = PrometheusStatLogger("m")
+
+    def stats(drafts: int, proposed: int, accepted: int, per_pos: list[int]):
+        return EngineCoreOutputs(scheduler_stats=SchedulerStats(
+            spec_decode_num_drafts=drafts,
+            spec_decode_num_draft_tokens=proposed,
+            spec_decode_num_accepted_tokens=accepted,
+            spec_decode_num_accepted_tokens_per_pos=per_pos,
+        ))  # fmt: skip
+
+    logger.on_outputs(stats(2, 6, 3, [2, 1, 0]))
+    logger.on_outputs(stats(5, 15, 9, [5, 3, 1]))  # running totals: counters take the news
+    value = logger.registry.get_sample_value
+    assert value("tokenmill:spec_decode_num_drafts_total", {"model_name": "m"}) == 5
+    assert value("tokenmill:spec_decode_num_draft_tokens_total", {"model_name": "m"}) == 15
+    assert value("tokenmill:spec_decode_num_accepted_tokens_total", {"model_name": "m"}) == 9
+    per_pos = "tokenmill:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [value(per_pos, {"model_name": "m", "position": str(p)}) for p in range(3)] == [5, 3, 1]
