@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 NUM_BODIES = 2000
 CONCURRENCY = 16
-DEADLINE_S = 120.0  # per request, on a loaded machine
+DEADLINE_S = 600.0  # per request: catches a request that never ends, not a slow machine
 
 _ODD = [
     None, "", "text", "x" * 3000, -1, 0, 1, 2, -(2**63), 2**63, 10**30, 1e308, -1e308,
