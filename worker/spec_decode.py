@@ -71,7 +71,8 @@ def rejection_sample(
     device = logits.device
     counts = num_drafts.astype(np.int64)
     starts = np.concatenate(([0], np.cumsum(counts + 1)[:-1]))
-    draft_rows = np.repeat(starts, counts) + ranks_within(counts)
+    ranks = ranks_within(counts)  # each proposed token's position in its proposal
+    draft_rows = np.repeat(starts, counts) + ranks
     x = torch.from_numpy(draft_ids.astype(np.int64)).to(device)
     rows_t = torch.from_numpy(draft_rows).to(device)
     greedy_tokens, probs = sampler.distributions(logits, meta)
@@ -101,8 +102,7 @@ def rejection_sample(
     grid = torch.zeros(len(counts), max(width, 1), dtype=torch.bool, device=device)
     if len(draft_rows):
         owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(device)
-        rank = torch.from_numpy(ranks_within(counts)).to(device)
-        grid[owner, rank] = accepted
+        grid[owner, torch.from_numpy(ranks).to(device)] = accepted
     num_accepted = grid.long().cumprod(dim=1).sum(dim=1).cpu().numpy()
     token_list = tokens.cpu().tolist()
     drafts = draft_ids.tolist()
