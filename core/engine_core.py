@@ -69,6 +69,7 @@ class EngineCore:
         # Steps submitted to the executor and not yet updated, oldest first (at most two).
         self._batches: deque[_Batch] = deque()
         self._num_token_steps = 0
+        self._last_update = 0.0  # perf_counter() when a step was last updated
         self._stats = _StepStats()
         # With TOKENMILL_STEP_TIMING: seconds per stage, summed over steps (see envs).
         self.step_timing = envs.TOKENMILL_STEP_TIMING
@@ -218,6 +219,9 @@ class EngineCore:
         """Schedules and submits the next step, then updates the oldest one in flight once
         two are (or once there is nothing new to run). None: nothing was updated."""
         outputs = None
+        if self._batches and speculates(self._batches[-1].scheduler_output):
+            # Its proposals and accepted tokens decide what the next step computes.
+            return self._collect()
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self._schedule()
             if self._batches and self._waits_for_grammar_token(scheduler_output):
@@ -283,6 +287,13 @@ class EngineCore:
             self.executor.wait_for_forward(self._batches[0].forward_number, _FORWARD_WAIT_S)
         executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        # The step's share of the time: since it was submitted, or, overlapped, since the
+        # step before it was updated.
+        now = time.perf_counter()
+        self.scheduler.record_step_time(
+            scheduler_output, runner_output, now - max(submitted, self._last_update)
+        )
+        self._last_update = now
         if self._grammar_req_ids:
             for out in outputs.outputs:
                 if out.finished:
@@ -365,6 +376,12 @@ class EngineCore:
         self.executor.shutdown()
 
 
+def speculates(out: SchedulerOutput) -> bool:
+    """Whether a step proposes or verifies tokens: under async scheduling the next step is
+    scheduled only once it is updated (a step scheduled before would not know its tokens)."""
+    return out.propose or bool(out.scheduled_spec_decode_tokens)
+
+
 def summarize(out: SchedulerOutput) -> str:
     """One line on what a step ran, for the log of a step that failed."""
     new = [
@@ -399,6 +416,7 @@ class _StepStats:
         self.generated_tokens = 0
         self.last_queries = 0
         self.last_hits = 0
+        self.last_spec = (0, 0, 0)  # drafts, proposed and accepted tokens at the last log
 
     def record(self, core: EngineCore, out: SchedulerOutput, outputs: EngineCoreOutputs) -> None:
         generated = sum(len(o.new_token_ids) for o in outputs.outputs)
@@ -415,18 +433,36 @@ class _StepStats:
         queries = int(stats["prefix_cache_queries"]) - self.last_queries
         hits = int(stats["prefix_cache_hits"]) - self.last_hits
         caching = core.scheduler.kv_cache_manager.enable_caching
-        logger.info(
-            "%s",
-            stats_line(
-                self.prompt_tokens / elapsed,
-                self.generated_tokens / elapsed,
-                stats,
-                None if not caching else hits / queries if queries else 0.0,
-            ),
+        line = stats_line(
+            self.prompt_tokens / elapsed,
+            self.generated_tokens / elapsed,
+            stats,
+            None if not caching else hits / queries if queries else 0.0,
         )
+        if "spec_decode_num_drafts" in stats and core.config.speculative_config is not None:
+            spec = (
+                int(stats["spec_decode_num_drafts"]),
+                int(stats["spec_decode_num_draft_tokens"]),
+                int(stats["spec_decode_num_accepted_tokens"]),
+            )
+            drafts, proposed, accepted = (a - b for a, b in zip(spec, self.last_spec))
+            line += ", " + spec_line(drafts, proposed, accepted)
+            self.last_spec = spec
+        logger.info("%s", line)
         self.last_log, self.prompt_tokens, self.generated_tokens = now, 0, 0
         self.last_queries += queries
         self.last_hits += hits
+
+
+def spec_line(drafts: int, proposed: int, accepted: int) -> str:
+    """Speculative decoding since the last line: vLLM's acceptance rate (accepted / proposed
+    tokens) and mean acceptance length (tokens per verifying step, the bonus counted)."""
+    if not drafts:
+        return "speculation off"
+    return (
+        f"spec acceptance {accepted / proposed:.1%}, mean acceptance length "
+        f"{1 + accepted / drafts:.2f}, {drafts} drafts"
+    )
 
 
 def stats_line(

@@ -191,7 +191,10 @@ class SpeculativeConfig:
     tokens (one given: the other takes its value; neither: both 5, as vLLM).
     draft_model: a smaller model with the target's tokenizer proposes (`model`).
     `disable_by_batch_size`: steps with more running requests than this do not speculate
-    (vLLM's key; None: always speculate)."""
+    (vLLM's key; None: no such limit).
+    `auto_disable` (tokenmill's): the scheduler measures output tokens per second with and
+    without speculation, per batch size, and runs without where that is faster (see
+    core/sched/spec_governor.py); False: speculate on every step allowed."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
@@ -199,6 +202,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = None
+    auto_disable: bool = True
     # draft_model: the draft's config, filled in by EngineArgs.create_engine_config.
     draft_model_config: ModelConfig | None = None
 
@@ -219,6 +223,8 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None:
             _check(self.disable_by_batch_size >= 1, f"{name}.disable_by_batch_size",
                    self.disable_by_batch_size, "at least 1 (or None)")  # fmt: skip
+        _check(isinstance(self.auto_disable, bool), f"{name}.auto_disable", self.auto_disable,
+               "true or false")  # fmt: skip
 
     @staticmethod
     def from_user(value: Any) -> SpeculativeConfig | None:
@@ -358,16 +364,12 @@ def _speculative_config(
 def _async_scheduling(args: EngineArgs, device: str) -> bool:
     """vLLM's default where it pays: a GPU step is short enough for the core's CPU work to
     matter. On the CPU the forward dwarfs it, and the overlap costs a thread (measured in
-    scripts/bench_throughput.py --async-scheduling both)."""
-    speculative = args.speculative_config is not None
+    scripts/bench_throughput.py --async-scheduling both). With speculative decoding the
+    steps that propose or verify tokens are not overlapped (see EngineCore)."""
     if args.async_scheduling is None:
-        return device == "cuda" and not speculative
+        return device == "cuda"
     _check(isinstance(args.async_scheduling, bool), "async_scheduling", args.async_scheduling,
            "True, False or None")  # fmt: skip
-    # A proposal is made from the step's sampled tokens, which async scheduling does not wait
-    # for before it schedules the next step.
-    _check(not (args.async_scheduling and speculative), "async_scheduling",
-           args.async_scheduling, "False (or unset) with speculative_config")  # fmt: skip
     return args.async_scheduling
 
 

@@ -53,6 +53,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignor
     # Speculative decoding: the proposed tokens each request verifies this step (it is
     # scheduled for 1 + len(proposal) tokens: its last sampled token, then the proposal).
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Whether the workers propose tokens after this step's sampling, for the next step to
+    # verify (the scheduler's choice: speculation is off where it does not pay).
+    propose: bool = False
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]

@@ -33,6 +33,7 @@ from collections import deque
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched.request_queue import make_queue
+from tokenmill.core.sched.spec_governor import SpeculationGovernor
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import EngineCoreOutput, EngineCoreOutputs, LogprobsArrays
 from tokenmill.protocol.scheduler_output import (
@@ -57,6 +58,10 @@ class Scheduler:
         spec = config.speculative_config
         self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
         self.spec_disable_by_batch_size = None if spec is None else spec.disable_by_batch_size
+        # Measures where speculation pays and turns it off where it does not.
+        self.spec_governor = (
+            SpeculationGovernor() if spec is not None and spec.auto_disable else None
+        )
         # Speculative decoding's counters, vLLM's: steps of a request with a proposal, tokens
         # proposed, tokens accepted, and accepted by position in the proposal.
         self.spec_num_drafts = 0
@@ -137,6 +142,7 @@ class Scheduler:
             preempted_req_ids=list(self.preempted_req_ids),
             scheduled_spec_decode_tokens=spec,
         )
+        output.propose = self._speculates_next()
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
         scheduled = {req_id: self.requests[req_id] for req_id in num_scheduled}
@@ -251,6 +257,32 @@ class Scheduler:
         self.running.insert(
             bisect.bisect_right(keys, (request.priority, request.arrival_time)), request
         )
+
+    def _speculates_next(self) -> bool:
+        """Whether the workers propose tokens after this step, for the next to verify."""
+        if not self.num_spec_tokens or not self.running:
+            return False
+        limit = self.spec_disable_by_batch_size
+        if limit is not None and len(self.running) > limit:
+            return False
+        return self.spec_governor is None or self.spec_governor.decide(len(self.running))
+
+    def record_step_time(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, seconds: float
+    ) -> None:
+        """A step's duration, for the governor: decode-only steps count (tokens out per
+        second, with and without speculation)."""
+        governor = self.spec_governor
+        if governor is None:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        decode_only = all(n == 1 + len(spec.get(r, ())) for r, n in scheduled.items())
+        if not scheduled or not decode_only:
+            governor.interrupt()
+            return
+        tokens = sum(len(t) for t in runner_output.sampled_token_ids)
+        governor.record(len(scheduled), scheduler_output.propose, tokens, seconds)
 
     def _lookahead(self, request: Request, num_computed_after: int) -> int:
         """Slots past this step for the draft model's proposal: only after a step that

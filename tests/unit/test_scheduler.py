@@ -305,7 +305,7 @@ def test_reset_prefix_cache_is_refused_while_requests_run() -> None:
 
 
 def test_without_prefix_caching_no_lookups_are_recorded() -> None:
-    from tokenmill.core.engine_core import stats_line
+    from tokenmill.core.engine_core import spec_line, stats_line
 
     s = make_scheduler(caching=False)
     add(s, 10)
@@ -317,6 +317,10 @@ def test_without_prefix_caching_no_lookups_are_recorded() -> None:
     stats = {"num_running": 2, "num_waiting": 0, "kv_cache_usage": 0.25}
     assert stats_line(10.0, 20.0, stats, None).endswith("prefix caching off")
     assert stats_line(10.0, 20.0, stats, 0.5).endswith("prefix cache hit rate 50.0%")
+    # Speculation: 4 verifying steps, 12 proposed tokens, 6 accepted.
+    line = spec_line(4, 12, 6)
+    assert line == "spec acceptance 50.0%, mean acceptance length 2.50, 4 drafts"
+    assert spec_line(0, 0, 0) == "speculation off"
     cached = make_scheduler(caching=True)
     add(cached, 10)
     step(cached)
