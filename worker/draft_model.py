@@ -5,12 +5,15 @@ sharded by tensor parallelism like it. It has its own KV cache, with as many blo
 target's and the same block table (as vLLM does): the core sizes the cache for both models'
 layers and allocates each request `num_speculative_tokens` slots past its sampled token.
 
-Each step the draft runs the target's step as well (the same tokens, positions and slots),
-so that its cache holds every token the target's does; the K/V of accepted proposals is
-kept, and a rejected position is written again when it is next computed. After sampling, it
-proposes k tokens for each request that may speculate: k single-token steps from the
-request's last token, taking the draft's argmax each time (a deterministic proposal: the
-rejection sampler's q is one-hot, which keeps the output distributed as the target's).
+The draft runs only when it proposes (after a step the scheduler marks `propose`), so a
+request the governor keeps from speculating costs it nothing. Each request's state records
+how far the draft's K/V is written (`draft_computed`) and the proposed tokens it wrote past
+that (`draft_pending`). A proposal first catches up: the tokens from `draft_computed` to the
+request's last one in one forward (a prefill chunk after its prompt or a pause, one or two
+tokens after a verified step: the K/V of proposed tokens that were accepted is kept), whose
+last logits give the first proposed token; then k - 1 single-token steps, taking the draft's
+argmax each time (a deterministic proposal: the rejection sampler's q is one-hot, which
+keeps the output distributed as the target's).
 """
 
 from __future__ import annotations
@@ -63,53 +66,119 @@ class DraftModel:
         self.max_model_len = self.config.model_config.max_model_len
         return caches
 
-    def metadata(self, inputs: StepAttentionInputs):
-        return self.backend.build_metadata(inputs)
-
     @torch.inference_mode()
-    def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> None:
-        """The target's step through the draft: writes its K/V, computes no logits."""
-        assert self.model is not None
-        with set_forward_context(metadata):
-            self.model(input_ids, positions)
-
-    @torch.inference_mode()
-    def propose(self, batch: InputBatch, rows: np.ndarray, max_model_len: int) -> list[list[int]]:
+    def propose(
+        self, batch: InputBatch, rows: np.ndarray, max_model_len: int, max_tokens: int
+    ) -> list[list[int]]:
         """k tokens for each row, from its last token on (fewer where its allocated slots or
-        max_model_len end first)."""
+        max_model_len end first). max_tokens: the most tokens one catch-up forward takes."""
         assert self.model is not None
-        bs = self.block_size
-        start = batch.num_tokens[rows] - 1  # the last token's position
-        # The positions this row may write: its allocated slots, below max_model_len.
-        limit = np.minimum(batch.num_blocks[rows] * bs, max_model_len)
-        tokens = batch.token_ids[rows, start]
-        proposals: list[list[int]] = [[] for _ in range(len(rows))]
+        num_tokens = batch.num_tokens[rows]
+        # The positions a row may write: its allocated slots, below max_model_len.
+        limit = np.minimum(batch.num_blocks[rows] * self.block_size, max_model_len)
+        keep = num_tokens - 1 < limit
+        rows, num_tokens, limit = rows[keep], num_tokens[keep], limit[keep]
+        proposals: list[list[int]] = [[] for _ in keep]
+        if not len(rows):
+            return proposals
+        states = [batch.requests[batch.req_ids[r]] for r in rows.tolist()]
+        computed = np.array([self._written(batch, r, s) for r, s in zip(rows.tolist(), states)])
+        tokens = self._catch_up(batch, rows, computed, num_tokens, max_tokens)
+        out = np.flatnonzero(keep)
+        for i, token in enumerate(tokens.tolist()):
+            proposals[out[i]].append(token)
+        # Then one token per step, from the last token's position + 1.
         active = np.arange(len(rows))
-        for step in range(self.k):
-            active = active[start[active] + step < limit[active]]
+        for step in range(1, self.k):
+            active = active[num_tokens[active] + step - 1 < limit[active]]
             if not len(active):
                 break
-            at = rows[active]
-            positions = start[active] + step
-            seq_lens = positions + 1
-            block_table = batch.block_table[at, : cdiv(int(seq_lens.max()), bs)]
-            slots = block_table[np.arange(len(at)), positions // bs] * bs + positions % bs
-            inputs = StepAttentionInputs(
-                num_decodes=len(at),
-                query_lens=np.ones(len(at), dtype=np.int64),
-                seq_lens=seq_lens,
-                block_table=block_table,
-                slot_mapping=slots,
-                block_size=bs,
-                device=self.device,
-                dtype=self.dtype,
-            )
-            ids_t = torch.from_numpy(tokens[active]).to(self.device)
-            positions_t = torch.from_numpy(positions).to(self.device)
-            with set_forward_context(self.backend.build_metadata(inputs)):
-                hidden = self.model(ids_t, positions_t)
-            best = first_arg(self.model.compute_logits(hidden), largest=True).cpu().numpy()
+            positions = num_tokens[active] + step - 1
+            best = self._forward(batch, rows[active], positions, np.ones(len(active), np.int64),
+                                 tokens[active])  # fmt: skip
             tokens[active] = best
             for i, token in zip(active.tolist(), best.tolist()):
-                proposals[i].append(token)
+                proposals[out[i]].append(token)
+        for i, state in enumerate(states):
+            state.draft_computed = int(num_tokens[i])
+            # The proposed tokens that went in as inputs: their K/V is written after it.
+            state.draft_pending = proposals[out[i]][:-1]
         return proposals
+
+    @staticmethod
+    def _written(batch: InputBatch, row: int, state) -> int:
+        """How many of the row's leading positions hold the draft's K/V of its tokens: those
+        it computed, and the proposed tokens it wrote after them that were accepted (never
+        the last token, which a proposal's first forward reads)."""
+        done = state.draft_computed
+        pending = state.draft_pending
+        last = int(batch.num_tokens[row]) - 1
+        n = max(0, min(len(pending), last - done))
+        if n:
+            same = batch.token_ids[row, done : done + n] == np.asarray(pending[:n])
+            done += n if same.all() else int(np.argmin(same))
+        return min(done, last)
+
+    def _catch_up(
+        self,
+        batch: InputBatch,
+        rows: np.ndarray,
+        computed: np.ndarray,
+        num_tokens: np.ndarray,
+        max_tokens: int,
+    ) -> np.ndarray:
+        """Writes each row's draft K/V from `computed` to its last token, in forwards of at
+        most max_tokens tokens (each row's share at least one), and returns the draft's
+        argmax after each row's last token."""
+        first = np.zeros(len(rows), dtype=np.int64)
+        start = computed.copy()
+        while True:
+            left = np.flatnonzero(start < num_tokens)
+            if not len(left):
+                return first
+            share = max(1, max_tokens // len(left))
+            query_lens = np.minimum(num_tokens[left] - start[left], share)
+            # Decodes first, as the attention backends take them.
+            order = np.argsort(query_lens != 1, kind="stable")
+            left, query_lens = left[order], query_lens[order]
+            at = rows[left]
+            cu = np.concatenate(([0], np.cumsum(query_lens)))
+            positions = np.arange(int(cu[-1])) - np.repeat(cu[:-1] - start[left], query_lens)
+            ids = batch.token_ids[np.repeat(at, query_lens), positions]
+            best = self._forward(batch, at, positions, query_lens, ids)
+            start[left] += query_lens
+            ends = start[left] == num_tokens[left]
+            first[left[ends]] = best[ends]
+
+    def _forward(
+        self,
+        batch: InputBatch,
+        rows: np.ndarray,
+        positions: np.ndarray,
+        query_lens: np.ndarray,
+        ids: np.ndarray,
+    ) -> np.ndarray:
+        """One draft forward over each row's next query_lens tokens (at `positions`, back to
+        back), writing their K/V; the draft's argmax after each row's last one."""
+        bs = self.block_size
+        cu = np.concatenate(([0], np.cumsum(query_lens)))
+        seq_lens = positions[cu[1:] - 1] + 1
+        token_rows = np.repeat(rows, query_lens)
+        block_table = batch.block_table[rows, : cdiv(int(seq_lens.max()), bs)]
+        slots = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        inputs = StepAttentionInputs(
+            num_decodes=int(np.count_nonzero(query_lens == 1)),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slots,
+            block_size=bs,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        ids_t = torch.from_numpy(np.ascontiguousarray(ids)).to(self.device)
+        positions_t = torch.from_numpy(positions).to(self.device)
+        with set_forward_context(self.backend.build_metadata(inputs)):
+            hidden = self.model(ids_t, positions_t)
+        last = torch.from_numpy(cu[1:] - 1).to(self.device)
+        return first_arg(self.model.compute_logits(hidden[last]), largest=True).cpu().numpy()

@@ -15,7 +15,7 @@ request until the apply() after.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,11 @@ class RequestState:
     # so requests whose adjustment depends on the tokens before (penalties, bad words) or
     # that report logprobs or follow a grammar do not speculate (min_tokens: once it is out).
     may_speculate: bool = False
+    # A draft model's K/V for this request: written for its first `draft_computed` tokens,
+    # then for these proposed tokens (kept where they were accepted). Reset on preemption,
+    # which frees the blocks.
+    draft_computed: int = 0
+    draft_pending: list[int] = field(default_factory=list)
 
 
 class InputBatch:
@@ -148,6 +153,8 @@ class InputBatch:
             state = self.requests[new.req_id] = RequestState(
                 new.req_id, params, generator, may_speculate
             )
+        else:
+            state.draft_computed, state.draft_pending = 0, []
         row = self.free_rows.pop()
         self.row_of[new.req_id] = row
         self.req_ids[row] = new.req_id

@@ -337,7 +337,7 @@ class ModelRunner:
             prompt_logprobs=self._prompt_logprob_chunks(rows, starts, cu_query),
             timer=timer,
         )
-        graphs = self.decode_graphs if self.drafter is None else None
+        graphs = self.decode_graphs
         if graphs is not None and num_decodes == total and graphs.padded_size(total) is not None:
             step.graph_inputs = (slot_mapping, seq_lens, block_table)
             if gather:
@@ -354,8 +354,6 @@ class ModelRunner:
                 dtype=self.dtype,
             )
             step.attn_metadata = self.attn_backend.build_metadata(attn_inputs)
-            if self.drafter is not None:
-                step.draft_metadata = self.drafter.metadata(attn_inputs)
             step.positions_t, last_token_t = self.staging.to_device(positions, last_token)
             step.last_token_t = last_token_t if gather else None
         batch.num_computed_tokens[rows] = seq_lens
@@ -397,8 +395,6 @@ class ModelRunner:
                 self.on_forward()
             with set_forward_context(step.attn_metadata):
                 hidden = self.model(ids_t, step.positions_t)
-            if self.drafter is not None:
-                self.drafter.run_step(ids_t, step.positions_t, step.draft_metadata)
         if timer is not None:
             timer.lap("forward")
 
@@ -442,7 +438,7 @@ class ModelRunner:
             batch.append_token_lists(request_rows, token_lists)
             for i, tokens in zip(sampling, token_lists):
                 sampled_ids[i] = tokens
-            if self.proposer is not None or self.drafter is not None:
+            if step.out.propose and (self.proposer is not None or self.drafter is not None):
                 spec_token_ids = self._propose(req_ids, sampling, request_rows)
         step_times = None
         if timer is not None:
@@ -470,7 +466,12 @@ class ModelRunner:
             return {}
         if self.drafter is not None:
             at = np.array([row for _, row in eligible], dtype=np.int64)
-            lists = self.drafter.propose(batch, at, self.config.model_config.max_model_len)
+            lists = self.drafter.propose(
+                batch,
+                at,
+                self.config.model_config.max_model_len,
+                self.config.scheduler_config.max_num_batched_tokens,
+            )
         else:
             assert self.proposer is not None
             lists = [
@@ -659,7 +660,6 @@ class _Step:
     # attention metadata and positions on the device.
     graph_inputs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     attn_metadata: object = None
-    draft_metadata: object = None  # the draft model's, for the same step
     positions_t: torch.Tensor | None = None
     last_token_t: torch.Tensor | None = None  # rows of the hidden states that sample
     # Set once the device part has read the batch (the next step may then change it).

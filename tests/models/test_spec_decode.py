@@ -21,8 +21,9 @@ from tokenmill.protocol.default_model import DRAFT_MODEL
 
 pytestmark = pytest.mark.slow
 
+# auto_disable off: every step speculates, whatever the governor would measure here.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 4}  # fmt: skip
+         "prompt_lookup_max": 4, "auto_disable": False}  # fmt: skip
 PASSAGE = (
     "The committee met on Tuesday to review the budget. After a long discussion the members "
     "agreed to postpone the decision until the auditors had finished their report, and the "
@@ -91,19 +92,26 @@ def test_smollm2_ngram_greedy_equals_no_speculation(smollm2_path: str, smollm2_r
     assert stats["spec_decode_acceptance_rate"] > 0.2, stats
 
 
-def test_smollm2_draft_model_greedy_equals_no_speculation(
+def test_smollm2_draft_model_async_greedy_equals_no_speculation(
     smollm2_path: str, smollm2_reference
 ) -> None:
     prompts, params, expected = smollm2_reference
-    draft = {"method": "draft_model", "model": DRAFT_MODEL, "num_speculative_tokens": 2}
-    actual, stats = run(smollm2_path, prompts, params, speculative_config=draft, **SMOLLM2_ENGINE)
+    draft = {"method": "draft_model", "model": DRAFT_MODEL, "num_speculative_tokens": 2,
+             "auto_disable": False}  # fmt: skip
+    actual, stats = run(smollm2_path, prompts, params, speculative_config=draft,
+                        async_scheduling=True, **SMOLLM2_ENGINE)  # fmt: skip
     assert stats["num_preemptions"] > 0
     assert_greedy_same(params, expected, actual)
     assert stats["spec_decode_num_drafts"] > 50, stats
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_tiny_model_ngram_greedy_equals_no_speculation(tiny_model, tp: int) -> None:
+# TP=1 with async scheduling off and on; TP=2 with it on.
+MODES = pytest.mark.parametrize("tp,overlap", [(1, False), (1, True), (2, True)],
+                                ids=["tp1", "tp1-async", "tp2-async"])  # fmt: skip
+
+
+@MODES
+def test_tiny_model_ngram_greedy_equals_no_speculation(tiny_model, tp: int, overlap) -> None:
     path = str(tiny_model("llama-gqa"))
     base = [[(11 * i + 5 * j) % 480 + 3 for j in range(n)] for i, n in
             enumerate((3, 9, 17, 30, 41, 66, 100, 130))]  # fmt: skip
@@ -113,14 +121,17 @@ def test_tiny_model_ngram_greedy_equals_no_speculation(tiny_model, tp: int) -> N
         params.append(SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     common = dict(skip_tokenizer_init=True, tensor_parallel_size=tp, multiprocess=False)
     expected, stats = run(path, prompts, params, **common)
-    actual, spec_stats = run(path, prompts, params, speculative_config=NGRAM, **common)
+    actual, spec_stats = run(path, prompts, params, speculative_config=NGRAM,
+                             async_scheduling=overlap, **common)  # fmt: skip
     assert stats["num_preemptions"] > 0 and spec_stats["num_preemptions"] > 0
     assert_greedy_same(params, expected, actual)
     assert spec_stats["spec_decode_num_drafts"] > 0, spec_stats
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_tiny_model_draft_greedy_equals_no_speculation(tiny_model, tmp_path, tp: int) -> None:
+@MODES
+def test_tiny_model_draft_greedy_equals_no_speculation(
+    tiny_model, tmp_path, tp: int, overlap
+) -> None:
     path = str(tiny_model("llama-gqa"))
     other = str(make_tiny_model(tmp_path, "llama-gqa", seed=1))  # same shapes, other weights
     base = [[(11 * i + 5 * j) % 480 + 3 for j in range(n)] for i, n in
@@ -128,15 +139,23 @@ def test_tiny_model_draft_greedy_equals_no_speculation(tiny_model, tmp_path, tp:
     prompts, params = workload(base, text=False)
     common = dict(skip_tokenizer_init=True, tensor_parallel_size=tp, multiprocess=False)
     expected, _ = run(path, prompts, params, **common)
-    spec = {"method": "draft_model", "model": other, "num_speculative_tokens": 3}
+    common["async_scheduling"] = overlap
+    spec = {
+        "method": "draft_model",
+        "model": other,
+        "num_speculative_tokens": 3,
+        "auto_disable": False,
+    }
     actual, stats = run(path, prompts, params, speculative_config=spec, **common)
     assert stats["num_preemptions"] > 0
     assert_greedy_same(params, expected, actual)
     assert stats["spec_decode_num_drafts"] > 0, stats
     # The target as its own draft, on the greedy requests: its argmax is the target's, so
-    # (up to float ties) every proposal is accepted.
+    # (up to float ties) every proposal is accepted. Steps with more than 3 requests
+    # running do not speculate: the draft catches up on what it missed when they resume.
     greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
     spec["model"] = path
+    spec["disable_by_batch_size"] = 3
     actual, stats = run(
         path, [prompts[i] for i in greedy], [params[i] for i in greedy],
         speculative_config=spec, **common,
@@ -144,9 +163,3 @@ def test_tiny_model_draft_greedy_equals_no_speculation(tiny_model, tmp_path, tp:
     assert stats["num_preemptions"] > 0
     assert_greedy_same([params[i] for i in greedy], [expected[i] for i in greedy], actual)
     assert stats["spec_decode_acceptance_rate"] > 0.97, stats
-
-
-def test_async_scheduling_with_speculation_is_refused(tiny_model) -> None:
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(str(tiny_model("llama-gqa")), skip_tokenizer_init=True, async_scheduling=True,
-            speculative_config=NGRAM, multiprocess=False)  # fmt: skip
