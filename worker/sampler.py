@@ -101,6 +101,11 @@ class Sampler:
         log_u = self._draws(probs, meta, rows, _log_uniform)
         return first_arg(probs.div_(log_u), largest=False)
 
+    def log_uniform(self, like: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The race's draws for every row of `like` (log U: minus Exp(1) draws), each row
+        from its request's stream."""
+        return self._draws(like, meta, None, _log_uniform)
+
     def uniform(
         self, num: int, meta: SamplingMetadata, rows: list[int], device: torch.device
     ) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.worker.sampler import Sampler, SamplingMetadata
+from tokenmill.worker.sampler import Sampler, SamplingMetadata, first_arg
 
 
 class NgramProposer:
@@ -71,47 +71,93 @@ def rejection_sample(
     device = logits.device
     counts = num_drafts.astype(np.int64)
     starts = np.concatenate(([0], np.cumsum(counts + 1)[:-1]))
-    ranks = ranks_within(counts)  # each proposed token's position in its proposal
-    draft_rows = np.repeat(starts, counts) + ranks
     x = torch.from_numpy(draft_ids.astype(np.int64)).to(device)
-    rows_t = torch.from_numpy(draft_rows).to(device)
     greedy_tokens, probs = sampler.distributions(logits, meta)
-    greedy_accept = greedy_tokens[rows_t] == x
-    if probs is None:
-        accepted, tokens = greedy_accept, greedy_tokens
+    if probs is None:  # all greedy: accept while the proposal is the argmax
+        num_accepted, tokens = _accept_greedy(greedy_tokens, x, counts, starts)
     else:
-        p = probs[rows_t]
-        p_x = p.gather(1, x.unsqueeze(1))[:, 0]
-        if draft_probs is None:
-            q = torch.zeros_like(p).scatter_(1, x.unsqueeze(1), 1.0)
-        else:
-            q = draft_probs.to(p.dtype)
-        q_x = q.gather(1, x.unsqueeze(1))[:, 0]
-        u = sampler.uniform(len(draft_rows), meta, draft_rows.tolist(), device)
-        accepted = u * q_x < p_x  # u < p / q, with q(x) > 0 for a drawn x
-        # Where rejected, the token comes from the residual max(0, p - q) (the race needs
-        # no normalizing); elsewhere (the bonus, requests without a proposal) from p.
-        weights = probs.clone()
-        weights[rows_t] = residual(p, q)
-        tokens = sampler.race(weights, meta)
-        greedy = meta.temperature == 0.0
-        tokens = torch.where(greedy, greedy_tokens, tokens)
-        accepted = torch.where(greedy[rows_t], greedy_accept, accepted)
-    # Leading accepted proposals per request.
-    width = int(counts.max(initial=0))
-    grid = torch.zeros(len(counts), max(width, 1), dtype=torch.bool, device=device)
-    if len(draft_rows):
-        owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(device)
-        grid[owner, torch.from_numpy(ranks).to(device)] = accepted
-    num_accepted = grid.long().cumprod(dim=1).sum(dim=1).cpu().numpy()
-    token_list = tokens.cpu().tolist()
+        ranks = ranks_within(counts)
+        draft_rows = (np.repeat(starts, counts) + ranks).tolist()
+        # The draws, each from its request's stream: one uniform per proposed token, then
+        # the race's log-uniforms for every row.
+        u = sampler.uniform(len(draft_rows), meta, draft_rows, device)
+        log_u = sampler.log_uniform(probs, meta)
+        cu = torch.from_numpy(np.concatenate(([0], np.cumsum(counts)))).to(device)
+        greedy = meta.temperature[torch.from_numpy(starts).to(device)] == 0.0
+        recover = accept_and_recover_reference
+        if device.type == "cuda":
+            from tokenmill.kernels.rejection import accept_and_recover as recover
+        q = None if draft_probs is None else draft_probs.float()
+        num_accepted, tokens = recover(probs, log_u, greedy_tokens, greedy, x, cu, q, u)
+    accepted_list, token_list = num_accepted.tolist(), tokens.tolist()
     drafts = draft_ids.tolist()
     out, at = [], 0
     for i, k in enumerate(counts.tolist()):
-        a = int(num_accepted[i]) if k else 0
-        out.append(drafts[at : at + a] + [token_list[int(starts[i]) + a]])
+        a = accepted_list[i]
+        out.append(drafts[at : at + a] + [token_list[i]])
         at += k
     return out
+
+
+def _accept_greedy(
+    greedy_tokens: torch.Tensor, x: torch.Tensor, counts: np.ndarray, starts: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    device = greedy_tokens.device
+    ranks = ranks_within(counts)
+    rows = torch.from_numpy(np.repeat(starts, counts) + ranks).to(device)
+    num_accepted = _leading(greedy_tokens[rows] == x, counts, ranks)
+    last = torch.from_numpy(starts).to(device) + num_accepted
+    return num_accepted, greedy_tokens[last]
+
+
+def _leading(accepted: torch.Tensor, counts: np.ndarray, ranks: np.ndarray) -> torch.Tensor:
+    """Per request, how many of its proposals lead its list unbroken by a rejection."""
+    device = accepted.device
+    width = int(counts.max(initial=0))
+    grid = torch.zeros(len(counts), max(width, 1), dtype=torch.bool, device=device)
+    if len(accepted):
+        owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(device)
+        grid[owner, torch.from_numpy(ranks).to(device)] = accepted
+    return grid.long().cumprod(dim=1).sum(dim=1)
+
+
+def accept_and_recover_reference(
+    probs: torch.Tensor,
+    log_u: torch.Tensor,
+    greedy_tokens: torch.Tensor,
+    greedy: torch.Tensor,
+    draft_ids: torch.Tensor,
+    cu_drafts: torch.Tensor,
+    q: torch.Tensor | None,
+    u: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path (and the Triton kernel's reference, kernels/rejection.py): per request
+    (its rows back to back in probs, k + 1 each), the proposals accepted and its last token.
+    A sampled request accepts proposal x with probability min(1, p(x) / q(x)), a greedy one
+    while x is the argmax; its last token comes from the first rejected position's residual
+    max(0, p - q) (p at the bonus position) by the race argmin(w / log U), or is the argmax."""
+    device = probs.device
+    counts = (cu_drafts[1:] - cu_drafts[:-1]).cpu().numpy()
+    starts = np.concatenate(([0], np.cumsum(counts + 1)[:-1]))
+    ranks = ranks_within(counts)
+    rows = torch.from_numpy(np.repeat(starts, counts) + ranks).to(device)
+    x = draft_ids[: len(rows)].unsqueeze(1)
+    p = probs[rows]
+    p_x = p.gather(1, x)[:, 0]
+    if q is None:
+        q = torch.zeros_like(p).scatter_(1, x, 1.0)
+    q_x = q.gather(1, x)[:, 0]
+    owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(device)
+    is_greedy = greedy[owner]
+    accepted = torch.where(is_greedy, greedy_tokens[rows] == x[:, 0], u * q_x < p_x)
+    num_accepted = _leading(accepted, counts, ranks)
+    # Where rejected, the token comes from the residual max(0, p - q) (the race needs no
+    # normalizing); elsewhere (the bonus, requests without a proposal) from p.
+    weights = probs.clone()
+    weights[rows] = residual(p, q)
+    race = first_arg(weights.div_(log_u), largest=False)
+    last = torch.from_numpy(starts).to(device) + num_accepted
+    return num_accepted, torch.where(greedy, greedy_tokens[last], race[last])
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -195,3 +195,44 @@ def test_silu_and_mul_matches_torch(dtype) -> None:
     expected = SiluAndMul()(x.clone())
     out = triton_layers.silu_and_mul(x.to(DEVICE), out=poisoned(expected))
     assert rel_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["one-hot-q", "draft-q"])
+def test_rejection_accept_and_recover_matches_torch(with_q) -> None:
+    """Requests with 0 to 4 proposals, greedy and sampled, vocabularies with zeros (top-k),
+    proposals drawn near the target (many accepted) and from the draft: the kernel's accepted
+    counts and tokens equal the torch path's on the same draws."""
+    import numpy as np
+
+    from tokenmill.kernels import rejection
+    from tokenmill.worker.spec_decode import accept_and_recover_reference
+
+    g = torch.Generator().manual_seed(0)
+    vocab, counts = 300, np.array([0, 1, 3, 4, 2, 4, 1, 0, 3])
+    rows = int((counts + 1).sum())
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[:, 250:] = float("-inf")  # a top-k cut: zeros in p
+    probs = logits.softmax(-1)
+    greedy_tokens = probs.argmax(-1)
+    greedy = torch.tensor([i % 3 == 0 for i in range(len(counts))])
+    starts = np.concatenate(([0], np.cumsum(counts + 1)[:-1]))
+    draft_rows = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
+    q = None
+    if with_q:
+        noise = torch.randn(len(draft_rows), vocab, generator=g)
+        q = (logits[draft_rows] + noise).softmax(-1)  # a draft near the target
+        draft = torch.multinomial(q, 1, generator=g)[:, 0]
+    else:  # half the proposals the target's argmax, half its samples
+        draft = torch.multinomial(probs[draft_rows], 1, generator=g)[:, 0]
+        draft[::2] = greedy_tokens[draft_rows][::2]
+    u = torch.rand(len(draft_rows), generator=g)
+    log_u = torch.rand(rows, vocab, generator=g).clamp_(min=1e-30).log_()
+    cu = torch.from_numpy(np.concatenate(([0], np.cumsum(counts))))
+    args = (probs, log_u, greedy_tokens, greedy, draft, cu, q, u)
+    expected = accept_and_recover_reference(*args)
+    on = [a.to(DEVICE) if a is not None else None for a in args]
+    accepted, tokens = rejection.accept_and_recover(*on)
+    assert accepted.cpu().tolist() == expected[0].tolist()
+    assert tokens.cpu().tolist() == expected[1].tolist()
+    # Both outcomes occur: the comparison covers acceptance, rejection and the bonus.
+    assert 0 < expected[0].sum() < counts.sum() and (expected[0] == torch.from_numpy(counts)).any()
