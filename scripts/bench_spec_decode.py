@@ -146,14 +146,17 @@ async def run_cell(engine, requests, concurrency: int, tag: str) -> dict:
 def speculative_config(args, method: str):
     if method == "off":
         return None
+    auto = args.auto_disable == "on"
     if method == "ngram":
         return {
             "method": "ngram",
             "num_speculative_tokens": args.k,
             "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max,
+            "auto_disable": auto,
         }
-    return {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
+    return {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k,
+            "auto_disable": auto}  # fmt: skip
 
 
 async def main_async(args) -> None:
@@ -163,8 +166,16 @@ async def main_async(args) -> None:
     from tokenmill.protocol.default_model import resolve_model
 
     path = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    grounded = grounded_prompts(tokenizer)
+    if args.load_format == "dummy":  # a config folder: no tokenizer, W1-cpu only
+        from transformers import AutoConfig
+
+        args.workloads = [w for w in args.workloads if w != "grounded"]
+        vocab = AutoConfig.from_pretrained(path).vocab_size
+        grounded = [make_workload("W1-cpu", vocab).prompts[0]]
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        grounded = grounded_prompts(tokenizer)
+        vocab = len(tokenizer)
     engines = {}
     for method in args.methods:
         engine = AsyncLLM(
@@ -173,13 +184,13 @@ async def main_async(args) -> None:
             max_model_len=args.max_model_len,
             max_num_seqs=max(args.concurrency),
             speculative_config=speculative_config(args, method),
+            load_format=args.load_format,
         )
         warm = SamplingParams(temperature=0, max_tokens=8)
         async for _ in engine.generate({"prompt_token_ids": grounded[0]}, warm, f"warm-{method}"):
             pass
         engines[method] = engine
     results: dict[tuple, list[dict]] = {}
-    vocab = len(tokenizer)
     try:
         for workload in args.workloads:
             for c in args.concurrency:
@@ -199,7 +210,8 @@ async def main_async(args) -> None:
 def print_table(args, results) -> None:
     print()
     print(f"k = {args.k} proposed tokens; n-gram lookup {args.lookup_min}-{args.lookup_max}; "
-          f"draft {args.draft}; best of {args.rounds} round(s) by tok/s")  # fmt: skip
+          f"draft {args.draft}; governor {args.auto_disable}; best of {args.rounds} round(s) "
+          f"by tok/s")  # fmt: skip
     header = "| workload | concurrency | method | output tok/s | vs off | TPOT ms | acceptance |"
     print(header)
     print("|" + "---|" * 7)
@@ -230,6 +242,10 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160, help="grounded answers")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights (a config folder; W1-cpu only)")  # fmt: skip
+    parser.add_argument("--auto-disable", choices=["on", "off"], default="on",
+                        help="speculative_config.auto_disable: the governor")  # fmt: skip
     asyncio.run(main_async(parser.parse_args()))
 
 

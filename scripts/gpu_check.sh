@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared pass on a CUDA machine (about 8 minutes on one H200), needing only torch, triton,
+# One prepared pass on a CUDA machine (about 11 minutes on one H200), needing only torch, triton,
 # transformers, xxhash and psutil installed, plus the pyzmq/msgspec wheels carried in .whl/:
 #   1. the Triton kernels against their torch references, compiled on the GPU;
 #   2. greedy parity of tokenmill on CUDA (Triton backend, CUDA graphs) with HF transformers
@@ -11,7 +11,11 @@
 #   4. the fake-model step benchmark (a 2 ms sleeping forward, real input preparation and
 #      sampling on the GPU) with async scheduling off and on, in-process and across processes;
 #   5. W1 throughput on the Qwen3-0.6B shape with dummy weights, async scheduling off and on
-#      (alternating), HF on the first 64 requests, with tokenmill's per-step time split.
+#      (alternating), HF on the first 64 requests, with tokenmill's per-step time split;
+#   6. speculative decoding: the rejection sampler's distribution test and the greedy
+#      equality tests (tiny random models, TP=1, async scheduling off and on) on CUDA, then
+#      bench_spec_decode.py on the Qwen3-0.6B shape with dummy weights (W1-cpu; the draft is
+#      the target's shape with the same dummy weights, so nearly every proposal is accepted).
 # Logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
@@ -51,5 +55,15 @@ echo "== W1 throughput, Qwen3-0.6B shape, dummy weights, bf16, async scheduling 
 timeout 360 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
   --load-format dummy --workload W1 --max-num-batched-tokens 8192 --compare hf \
   --hf-requests 64 --async-scheduling off on --step-times 2>&1 | grep -v Warning | tee "$OUT/bench_qwen3_w1.log" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== speculative decoding on CUDA: rejection sampler, greedy equality, benchmark"
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_spec_decode_parts.py \
+  tests/unit/test_spec_governor.py tests/models/test_spec_decode.py -k "not smollm2 and not tp2" \
+  2>&1 | tee "$OUT/pytest_spec.log" | tail -8
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+timeout 200 python3 scripts/bench_spec_decode.py --model scripts/configs/qwen3-0.6b \
+  --load-format dummy --draft scripts/configs/qwen3-0.6b --workloads W1-cpu \
+  --concurrency 1 4 16 2>&1 | grep -v Warning | tee "$OUT/bench_spec_decode.log" | tail -14
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status
