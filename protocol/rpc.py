@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
+from concurrent.futures import Future
 from typing import Any, Optional
 
 import msgspec
@@ -61,4 +62,9 @@ def argument_type(cls: type, method: str, num_args: int, kwarg_names: tuple[str,
 
 @functools.cache
 def return_type(cls: type, method: str) -> Any:
-    return typing.get_type_hints(getattr(cls, method)).get("return", Any)
+    """What a call's reply holds: the method's return type (of a Future, what it resolves
+    to: the worker replies once it completes)."""
+    hint = typing.get_type_hints(getattr(cls, method)).get("return", Any)
+    if typing.get_origin(hint) is Future:
+        (hint,) = typing.get_args(hint)
+    return hint

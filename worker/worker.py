@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+from concurrent.futures import Future
 
 import psutil
 import torch
@@ -123,14 +124,24 @@ class Worker:
         runner.on_device(lambda: runner.initialize_kv_cache(config, num_blocks))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """With async scheduling on CUDA this returns a Future of the output instead, once the
-        step is prepared and its forward queued (ModelRunner.submit_model): whoever serves the
-        call (the worker process, the in-process executor's thread) replies when it completes.
-        """
+        """Runs one step to its end and returns its output."""
         assert self.model_runner is not None
         if self.model_runner.overlap_steps:
-            return self.model_runner.submit_model(scheduler_output)  # type: ignore[return-value]
+            return self.model_runner.submit_model(scheduler_output).result()
         return self.model_runner.execute_model(scheduler_output)
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """The executor's call for a step: its output as a Future. With the worker's steps
+        overlapped (async scheduling on CUDA, ModelRunner.submit_model), it returns once the
+        step is prepared and its forward queued, and whoever serves the call (the worker
+        process's reply thread, the in-process executor) replies when it completes; in turn,
+        the step has run and the Future is done."""
+        assert self.model_runner is not None
+        if self.model_runner.overlap_steps:
+            return self.model_runner.submit_model(scheduler_output)
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(self.model_runner.execute_model(scheduler_output))
+        return future
 
     def close(self) -> None:
         """Lets the runner's device thread end; never waits for it."""

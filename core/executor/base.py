@@ -95,7 +95,7 @@ class Executor(ABC):
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         # Every rank samples the same tokens; rank 0 reports them.
         return self.collective_rpc(
-            "execute_model", args=(scheduler_output,), non_block=non_block, unique_reply_rank=0
+            "submit_model", args=(scheduler_output,), non_block=non_block, unique_reply_rank=0
         )
 
     def shutdown(self) -> None:

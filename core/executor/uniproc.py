@@ -44,7 +44,11 @@ class UniProcExecutor(Executor):
         if self.thread is not None:
             return self.thread.submit(fn)
         future: Future[Any] = Future()
-        future.set_result(fn())  # an exception propagates as it is
+        result = fn()  # an exception propagates as it is
+        if isinstance(result, Future):  # a step (Worker.submit_model), already done
+            chain(result, future)
+        else:
+            future.set_result(result)
         return future
 
     def collective_rpc(

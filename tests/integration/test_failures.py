@@ -139,7 +139,7 @@ def test_a_step_that_raises_kills_the_engine_with_its_error(
         message = str(info.value)
         assert "ValueError: injected fault in step 3" in message, message
         if tp == 2:
-            assert "worker rank" in message and "execute_model" in message, message
+            assert "worker rank" in message and "submit_model" in message, message
     finally:
         llm.shutdown()
 
