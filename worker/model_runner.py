@@ -464,8 +464,8 @@ class ModelRunner:
         eligible = [(i, row) for i, row in zip(sampling, rows.tolist()) if batch.may_speculate(row)]
         if not eligible:
             return {}
+        at = np.array([row for _, row in eligible], dtype=np.int64)
         if self.drafter is not None:
-            at = np.array([row for _, row in eligible], dtype=np.int64)
             lists = self.drafter.propose(
                 batch,
                 at,
@@ -474,10 +474,9 @@ class ModelRunner:
             )
         else:
             assert self.proposer is not None
-            lists = [
-                self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
-                for _, row in eligible
-            ]
+            num_tokens = batch.num_tokens[at]
+            tokens = batch.token_ids[at, : int(num_tokens.max())]
+            lists = self.proposer.propose_batch(tokens, num_tokens)
         return {req_ids[i]: p for (i, _), p in zip(eligible, lists) if p}
 
     def _prompt_logprob_chunks(

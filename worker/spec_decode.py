@@ -20,6 +20,10 @@ import torch
 
 from tokenmill.worker.sampler import Sampler, SamplingMetadata, first_arg
 
+# From this many requests on, the n-gram search runs on the whole batch at once (on 2 cores:
+# 0.2 ms against 0.3 for 16 requests of ~600 tokens, 4.4 against 7.8 ms for 256 of ~1,100).
+_BATCH_FROM = 8
+
 
 class NgramProposer:
     """Proposes the k tokens that followed the latest earlier occurrence of the longest
@@ -53,6 +57,50 @@ class NgramProposer:
         full = best[best + k <= last]
         end = int(full[-1] if full.size else best[-1])
         return tokens[end + 1 : end + 1 + k].tolist()
+
+    def propose_batch(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> list[list[int]]:
+        """`propose` for many requests at once (row i: token_ids[i, :num_tokens[i]]): one
+        comparison finds, in every row, the positions holding its last token; the (row,
+        position) candidates are then narrowed one token further back per length, for the
+        whole batch at once, instead of a Python call per request."""
+        k, rows = self.k, len(num_tokens)
+        if rows < _BATCH_FROM:  # (a few requests: their own searches cost less)
+            return [self.propose(token_ids[i, : num_tokens[i]]) for i in range(rows)]
+        width = int(num_tokens.max())
+        tokens = token_ids[:, :width]
+        last = num_tokens - 1
+        at = np.arange(rows)
+        before = np.arange(width)[None, :] < last[:, None]
+        r, j = np.nonzero(before & (tokens == tokens[at, last][:, None]))
+        best_r, best_j = (r, j) if self.min_n <= 1 else (r[:0], j[:0])
+        for length in range(2, self.max_n + 1):
+            if not len(r):
+                break
+            shift = length - 1
+            keep = j >= shift
+            r, j = r[keep], j[keep]
+            same = tokens[r, j - shift] == tokens[r, last[r] - shift]
+            r, j = r[same], j[same]
+            if length >= self.min_n and len(r):
+                # These rows' matches are now longer: they replace the shorter ones.
+                found = np.zeros(rows, dtype=bool)
+                found[r] = True
+                old = ~found[best_r]
+                best_r = np.concatenate((best_r[old], r))
+                best_j = np.concatenate((best_j[old], j))
+        short = last[best_r] < self.min_n
+        best_r, best_j = best_r[~short], best_j[~short]
+        # Per row the latest match followed by k known tokens, else the latest.
+        latest = np.full(rows, -1)
+        np.maximum.at(latest, best_r, best_j)
+        full = best_j + k <= last[best_r]
+        latest_full = np.full(rows, -1)
+        np.maximum.at(latest_full, best_r[full], best_j[full])
+        end = np.where(latest_full >= 0, latest_full, latest)
+        stop = np.minimum(end + 1 + k, num_tokens)
+        return [
+            tokens[i, end[i] + 1 : stop[i]].tolist() if end[i] >= 0 else [] for i in range(rows)
+        ]
 
 
 def rejection_sample(

@@ -41,6 +41,24 @@ def test_ngram_proposer_matches_a_brute_force_search() -> None:
         assert got == brute_force_proposal(tokens, k, low, high), (tokens, k, low, high)
 
 
+def test_ngram_batch_proposals_match_a_brute_force_search() -> None:
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        k, low = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+        high = low + int(rng.integers(0, 3))
+        vocab = int(rng.integers(2, 6))
+        lengths = rng.integers(1, 40, size=int(rng.integers(8, 20)))  # the batched search
+        token_ids = np.zeros((len(lengths), 48), dtype=np.int64)
+        rows = []
+        for i, n in enumerate(lengths):
+            row = rng.integers(0, vocab, size=int(n))
+            token_ids[i, :n] = row
+            token_ids[i, n:] = rng.integers(0, vocab, size=48 - int(n))  # stale tokens
+            rows.append(row.tolist())
+        got = NgramProposer(k, low, high).propose_batch(token_ids, lengths)
+        assert got == [brute_force_proposal(r, k, low, high) for r in rows], (rows, k, low, high)
+
+
 def test_ngram_proposer_continues_a_repeated_passage() -> None:
     passage = [5, 6, 7, 8, 9, 10, 11]
     tokens = np.array([1, 2] + passage + [3, 4] + passage[:3])
