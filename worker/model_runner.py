@@ -189,36 +189,46 @@ class ModelRunner:
             ([num_tokens], [num_tokens], 0),  # one long prefill
             ([1] * num_decodes, [context] * num_decodes, num_decodes),  # decodes only
         ]
-        layers = self.model.attention_layers()
-        for attn in layers:
-            attn.kv_cache = torch.zeros(
-                (1, 2, self.block_size, attn.num_kv_heads, attn.head_size),
-                dtype=self.dtype,
-                device=self.device,
-            )
-        try:
-            for query_lens, seq_lens, decodes in steps:
-                total = sum(query_lens)
-                inputs = StepAttentionInputs(
-                    num_decodes=decodes,
-                    query_lens=np.array(query_lens),
-                    seq_lens=np.array(seq_lens),
-                    block_table=np.zeros(
-                        (len(seq_lens), cdiv(max(seq_lens), self.block_size)), dtype=np.int64
-                    ),
-                    slot_mapping=np.zeros(total, dtype=np.int64),
-                    block_size=self.block_size,
-                    device=self.device,
-                    dtype=self.dtype,
-                )
-                with set_forward_context(self.attn_backend.build_metadata(inputs)):
-                    hidden = self.model(
-                        torch.zeros(total, dtype=torch.long, device=self.device),
-                        torch.arange(total, device=self.device) % max_pos,
-                    )
-        finally:
+        # A draft model runs the same shapes (its catch-up forwards take at most the token
+        # budget, its proposal steps one token per request), after the target's.
+        models = [(self.model, self.attn_backend, max_pos)]
+        if self.drafter is not None:
+            assert self.drafter.model is not None
+            draft_pos = self.drafter.config.model_config.max_position_embeddings
+            models.append((self.drafter.model, self.drafter.backend, draft_pos))
+        for model, backend, positions in models:
+            layers = model.attention_layers()
             for attn in layers:
-                attn.kv_cache = torch.empty(0)
+                attn.kv_cache = torch.zeros(
+                    (1, 2, self.block_size, attn.num_kv_heads, attn.head_size),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+            try:
+                for query_lens, seq_lens, decodes in steps:
+                    total = sum(query_lens)
+                    inputs = StepAttentionInputs(
+                        num_decodes=decodes,
+                        query_lens=np.array(query_lens),
+                        seq_lens=np.array(seq_lens),
+                        block_table=np.zeros(
+                            (len(seq_lens), cdiv(max(seq_lens), self.block_size)), dtype=np.int64
+                        ),
+                        slot_mapping=np.zeros(total, dtype=np.int64),
+                        block_size=self.block_size,
+                        device=self.device,
+                        dtype=self.dtype,
+                    )
+                    with set_forward_context(backend.build_metadata(inputs)):
+                        out = model(
+                            torch.zeros(total, dtype=torch.long, device=self.device),
+                            torch.arange(total, device=self.device) % positions,
+                        )
+                    if model is self.model:
+                        hidden = out
+            finally:
+                for attn in layers:
+                    attn.kv_cache = torch.empty(0)
         rows = min(sched.max_num_seqs, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         self.sampler(logits, _profile_sampling_metadata(rows, self.device))

@@ -126,3 +126,30 @@ def test_profile_run_covers_prefill_and_split_decodes(tiny_model, backend: str) 
     if backend == "TRITON_ATTN":
         assert LAUNCHES["combine_splits"] > 0, dict(LAUNCHES)
     assert all(a.kv_cache.numel() == 0 for a in runner.model.attention_layers())
+
+
+def test_profile_run_includes_the_draft_models_forwards(tiny_model) -> None:
+    """With a draft model its activations count too: the same two steps run through it."""
+    path = str(tiny_model("llama-gqa"))
+    config = EngineArgs(
+        model=path,
+        device="cpu",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2},
+    ).create_engine_config()
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    assert runner.drafter is not None and runner.drafter.model is not None
+    tokens_seen = []
+    hook = runner.drafter.model.register_forward_hook(
+        lambda module, args, out: tokens_seen.append(args[0].shape[0])
+    )
+    try:
+        runner.profile_run()
+    finally:
+        hook.remove()
+    assert tokens_seen == [64, 4]  # the token budget's prefill, then max_num_seqs decodes
+    assert all(a.kv_cache.numel() == 0 for a in runner.drafter.model.attention_layers())
