@@ -14,7 +14,8 @@ switch costs a transition step: the first speculative step after a pause has no 
 to verify yet, and a draft model first catches up on the tokens it missed). The figures are
 decayed sums, so they follow the workload. The slower mode is tried again now and then, for
 `PROBE_STEPS` steps, at an interval chosen so that probing costs about `PROBE_COST` of the
-time: a mode twice as slow is probed rarely, a close one often.
+time: a mode twice as slow is probed rarely, a close one often, and a switch to speculation
+that costs a long catch-up (a draft model's, after a pause) makes the probes rarer still.
 
 A class without measurements takes the nearest smaller measured class's choice when that
 choice is "off" (speculation that loses at a batch size loses at larger ones: verifying
@@ -43,6 +44,10 @@ class _Class:
     since_probe: int = 0
     # How much slower the other mode is, from a smaller class, until this one measures it.
     prior_loss: float = 0.0
+    # What a switch to speculation costs beyond a step without it (a draft catching up on
+    # the tokens of the pause), in such steps: decayed over the switches measured.
+    switch_steps: float = 0.0
+    switches: int = 0
 
     def rate(self, on: bool) -> float | None:
         s = self.seconds[on]
@@ -57,7 +62,8 @@ class _Class:
 
     def interval(self) -> int:
         """Steps between probes, so that a probe's loss is about PROBE_COST of the time."""
-        steps = PROBE_STEPS * self.loss() / PROBE_COST
+        switch = self.switch_steps if self.choice is False else 0.0
+        steps = (PROBE_STEPS * self.loss() + switch) / PROBE_COST
         return int(min(MAX_INTERVAL, max(MIN_INTERVAL, steps)))
 
 
@@ -116,10 +122,20 @@ class SpeculationGovernor:
         """A decode-only step that ran (`speculated`: it proposed tokens), its output tokens
         and its duration. Only a step in the same mode as the one before counts."""
         steady = self.last_mode == speculated
+        switched_on = self.last_mode is False and speculated
         self.last_mode = speculated
-        if not steady or seconds <= 0:
+        if seconds <= 0:
             return
         c = self._class(batch_size)
+        if switched_on and (off := c.rate(False)):
+            plain = tokens / off  # what the step would take without speculation
+            extra = max(seconds - plain, 0.0) / plain
+            c.switch_steps = (
+                extra if not c.switches else c.switch_steps * DECAY + extra * (1 - DECAY)
+            )
+            c.switches += 1
+        if not steady:
+            return
         c.tokens[speculated] = c.tokens[speculated] * DECAY + tokens
         c.seconds[speculated] = c.seconds[speculated] * DECAY + seconds
         c.samples[speculated] += 1

@@ -63,6 +63,13 @@ def test_speculation_that_is_much_slower_is_probed_rarely() -> None:
     assert seconds < 1.05 * 3000 * 0.01 * (1 + 16 / 8)  # all 3000 without speculation
 
 
+def test_a_costly_switch_to_speculation_makes_probes_rarer() -> None:
+    # 0.33x, and every switch back costs 30 steps more (a draft catching up on a long pause).
+    governor, sim = SpeculationGovernor(), Simulated(tokens_on=1.0, cost_on=3.0, switch=30.0)
+    on_steps, seconds, tokens = run(governor, sim, batch=16, steps=3000)
+    assert seconds < 1.05 * 3000 * 0.01 * (1 + 16 / 8)  # all 3000 without speculation
+
+
 def test_speculation_that_pays_runs_almost_always() -> None:
     # 3 tokens per step at 1.2x the cost: 2.5x.
     governor, sim = SpeculationGovernor(), Simulated(tokens_on=3.0, cost_on=1.2)
