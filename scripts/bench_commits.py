@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", required=True, help="source trees (checkouts)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="leave the HF baseline out")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run at most")
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]
     trees = [Path(t).resolve() for t in args.trees]
@@ -63,7 +64,8 @@ def main() -> None:
             cmd = [sys.executable, str(HERE / "bench_throughput.py"), "--rounds", "1", *rest]
             if with_hf:
                 cmd += ["--compare", "hf"]
-            done = subprocess.run(cmd, env=envs[i], capture_output=True, text=True)
+            done = subprocess.run(cmd, env=envs[i], capture_output=True, text=True,
+                                  timeout=args.timeout)  # fmt: skip
             if done.returncode:
                 sys.exit(f"bench_throughput.py failed for {tree}:\n{done.stderr[-3000:]}")
             rates[i].append(rate_of(done.stdout, "tokenmill"))
