@@ -74,9 +74,11 @@ TYPOS = [("committee", "comittee"), ("discussion", "discusion"), ("department", 
 def grounded_prompts(tokenizer) -> list[list[int]]:
     asks = []
     for code in FUNCTIONS:
+        # ("Reply with only the new code": asked to "write out the whole function", SmolLM2
+        # explains the code instead, an answer that does not repeat the prompt.)
         old, new = next((o, n) for o, n in RENAMES if o in code)
-        asks.append(f"Rename the variable `{old}` to `{new}` in this code and write out the "
-                    f"whole function:\n\n```python\n{code}\n```")  # fmt: skip
+        asks.append(f"Rename the variable `{old}` to `{new}` in this code. Reply with only "
+                    f"the new code.\n\n```python\n{code}\n```")  # fmt: skip
     for passage in PASSAGES:
         for right, wrong in TYPOS:
             passage = passage.replace(right, wrong)
@@ -155,8 +157,8 @@ def speculative_config(args, method: str):
             "prompt_lookup_max": args.lookup_max,
             "auto_disable": auto,
         }
-    return {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k,
-            "auto_disable": auto}  # fmt: skip
+    return {"method": "draft_model", "model": args.draft,
+            "num_speculative_tokens": args.draft_k, "auto_disable": auto}  # fmt: skip
 
 
 async def main_async(args) -> None:
@@ -209,9 +211,9 @@ async def main_async(args) -> None:
 
 def print_table(args, results) -> None:
     print()
-    print(f"k = {args.k} proposed tokens; n-gram lookup {args.lookup_min}-{args.lookup_max}; "
-          f"draft {args.draft}; governor {args.auto_disable}; best of {args.rounds} round(s) "
-          f"by tok/s")  # fmt: skip
+    print(f"n-gram: k = {args.k}, lookup {args.lookup_min}-{args.lookup_max}; draft: "
+          f"{args.draft}, k = {args.draft_k}; governor {args.auto_disable}; best of "
+          f"{args.rounds} round(s) by tok/s")  # fmt: skip
     header = "| workload | concurrency | method | output tok/s | vs off | TPOT ms | acceptance |"
     print(header)
     print("|" + "---|" * 7)
@@ -237,7 +239,11 @@ def main() -> None:
                         choices=["grounded", "W1-cpu"])  # fmt: skip
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    # k = 5 for n-gram proposals: on the grounded workload at concurrency 1, 2.29x against
+    # 1.95x at k = 3 (a proposal costs nothing to make, and a longer one to verify little
+    # more); a draft model's proposal costs a draft step per token.
+    parser.add_argument("--k", type=int, default=5, help="n-gram num_speculative_tokens")
+    parser.add_argument("--draft-k", type=int, default=3, help="draft num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160, help="grounded answers")
