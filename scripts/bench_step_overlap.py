@@ -7,7 +7,9 @@ the GIL (a sleep, as the seed's §9 simulator fakes the model) and whose logits 
 random tensor. At 1, 64 and 256 running requests (decoding, prompts of 16 tokens) and forward
 times of 0.5, 2 and 10 ms it prints steps per second and the per-step split: schedule,
 prepare, forward, logits, sample, update, and output (encoding the step's EngineCoreOutputs as
-the engine-core process does before sending them).
+the engine-core process does before sending them), and the step's host-to-device traffic:
+KiB and copies, as a CUDA run would copy them (worker/staging.py counts them; with
+`--executor uni` only, the worker then being in this process).
 
 With every stage run in turn, a step takes about forward + CPU work; async scheduling
 (scheduling step N+1 while step N runs) brings it towards max(forward, CPU work). The worker
@@ -45,6 +47,7 @@ from tokenmill.protocol.codec import Encoder  # noqa: E402
 from tokenmill.protocol.config import EngineArgs  # noqa: E402
 from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams  # noqa: E402
 from tokenmill.worker.model_runner import ModelRunner  # noqa: E402
+from tokenmill.worker.staging import H2D  # noqa: E402
 
 CONFIG = Path(__file__).parent / "configs" / "smollm2-135m"
 STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output", "wait")
@@ -136,6 +139,7 @@ def measure(core: EngineCore, num_requests: int, forward_ms: float, steps: int,
     core.step()
     encoder = Encoder()
     before = dict(core.step_times)
+    h2d_bytes, h2d_copies = H2D.bytes, H2D.copies
     output_s = 0.0
     start = time.perf_counter()
     for _ in range(steps):
@@ -144,12 +148,16 @@ def measure(core: EngineCore, num_requests: int, forward_ms: float, steps: int,
         encoder.encode(outputs)
         output_s += time.perf_counter() - routed
     wall = time.perf_counter() - start
+    h2d_bytes, h2d_copies = H2D.bytes - h2d_bytes, H2D.copies - h2d_copies
     core.abort_requests([f"r{forward_ms}-{i}" for i in range(num_requests)])
     while core.has_unfinished_requests():  # the steps still in flight
         core.step()
     split = {s: (core.step_times.get(s, 0.0) - before.get(s, 0.0)) / steps for s in STAGES}
     split["output"] = output_s / steps
     split["step"] = wall / steps
+    # (A worker in a process of its own counts there: main() prints nan for it.)
+    split["h2d_kb"] = h2d_bytes / steps / 1024
+    split["h2d_copies"] = h2d_copies / steps
     return split
 
 
@@ -185,14 +193,16 @@ def main() -> None:
                     finally:
                         core.shutdown()
     header = ("executor", "async", "requests", "forward", "steps/s", "step", "cpu work",
-              "vs max", *STAGES)  # fmt: skip
+              "vs max", *STAGES, "H2D KiB", "copies")  # fmt: skip
     print("| " + " | ".join(f"{h:>8}" for h in header) + " |")
     print("|" + "|".join("-" * 10 for _ in header) + "|")
     for (executor, mode, n, ms), s in best.items():
         cpu = sum(s[stage] for stage in STAGES if stage not in ("forward", "wait"))
+        if executor != "uni":
+            s["h2d_kb"] = s["h2d_copies"] = float("nan")
         row = (executor, mode, n, ms, 1 / s["step"], 1e3 * s["step"], 1e3 * cpu,
                s["step"] / max(s["forward"], cpu),
-               *(1e3 * s[stage] for stage in STAGES))  # fmt: skip
+               *(1e3 * s[stage] for stage in STAGES), s["h2d_kb"], s["h2d_copies"])  # fmt: skip
         print("| " + " | ".join(f"{v:>8.2f}" if isinstance(v, float) else f"{v:>8}"
                                 for v in row) + " |")  # fmt: skip
 

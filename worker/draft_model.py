@@ -31,6 +31,7 @@ from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.sampler import first_arg
+from tokenmill.worker.staging import to_device
 
 
 class DraftModel:
@@ -176,9 +177,9 @@ class DraftModel:
             device=self.device,
             dtype=self.dtype,
         )
-        ids_t = torch.from_numpy(np.ascontiguousarray(ids)).to(self.device)
-        positions_t = torch.from_numpy(positions).to(self.device)
+        ids_t = to_device(ids, self.device)
+        positions_t = to_device(positions, self.device)
         with set_forward_context(self.backend.build_metadata(inputs)):
             hidden = self.model(ids_t, positions_t)
-        last = torch.from_numpy(cu[1:] - 1).to(self.device)
+        last = to_device(cu[1:] - 1, self.device)
         return first_arg(self.model.compute_logits(hidden[last]), largest=True).cpu().numpy()

@@ -24,6 +24,7 @@ from tokenmill.protocol.messages import SamplingParams
 from tokenmill.protocol.scheduler_output import NewRequestData, SchedulerOutput
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.sampler import Penalties, SamplingMetadata
+from tokenmill.worker.staging import to_device
 
 
 @dataclass(eq=False)
@@ -209,7 +210,7 @@ class InputBatch:
         self.prompt_mask[row, prompt] = True
         self.output_counts[row] = 0
         if outputs:  # a preempted request resumes with the tokens it had produced
-            ids = torch.tensor(outputs, device=self.device)
+            ids = to_device(outputs, self.device)
             self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         self.penalty_rows.add(row)
 
@@ -238,8 +239,8 @@ class InputBatch:
             if counted.any():
                 assert self.output_counts is not None
                 index = (
-                    torch.from_numpy(rows[counted]).to(self.device),
-                    torch.from_numpy(token_ids[counted].astype(np.int64)).to(self.device),
+                    to_device(rows[counted], self.device),
+                    to_device(token_ids[counted].astype(np.int64), self.device),
                 )
                 one = torch.ones(1, dtype=torch.int32, device=self.device)
                 self.output_counts.index_put_(index, one.expand(len(index[0])), accumulate=True)
@@ -263,11 +264,11 @@ class InputBatch:
                     for token in _bad_word_ends(self.bad_words[row], output):
                         banned.setdefault(i, []).append(token)
         return SamplingMetadata(
-            temperature=torch.from_numpy(temperature).to(device),
+            temperature=to_device(temperature, device),
             all_greedy=bool((temperature == 0).all()),
-            top_k=torch.from_numpy(top_k).to(device) if (top_k > 0).any() else None,
-            top_p=torch.from_numpy(top_p).to(device) if (top_p < 1).any() else None,
-            min_p=torch.from_numpy(min_p).to(device) if (min_p > 0).any() else None,
+            top_k=to_device(top_k, device) if (top_k > 0).any() else None,
+            top_p=to_device(top_p, device) if (top_p < 1).any() else None,
+            min_p=to_device(min_p, device) if (min_p > 0).any() else None,
             generators=generators,
             banned_token_ids=banned,
             allowed=self._allowed(rows, device),
@@ -282,7 +283,7 @@ class InputBatch:
         if not len(at):
             return None
         masks = torch.stack([self.allowed_masks[r] for r in rows[at].tolist()])
-        return torch.from_numpy(at).to(device), masks
+        return to_device(at, device), masks
 
     def _bias(self, rows: np.ndarray, device: torch.device):
         if not self.logit_bias:
@@ -295,9 +296,9 @@ class InputBatch:
         token_ids = [t for _, (ids, _) in entries for t in ids]
         values = [v for _, (_, vals) in entries for v in vals]
         return (
-            torch.tensor(positions, device=device),
-            torch.tensor(token_ids, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device),
+            to_device(positions, device),
+            to_device(token_ids, device),
+            to_device(values, device, torch.float32),
         )
 
     def _penalties(self, rows: np.ndarray, device: torch.device) -> Penalties | None:
@@ -308,13 +309,13 @@ class InputBatch:
             return None
         assert self.output_counts is not None and self.prompt_mask is not None
         chosen = rows[at]
-        index = torch.from_numpy(chosen).to(self.device)
+        index = to_device(chosen, self.device)
 
         def column(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(values[chosen]).to(device).unsqueeze(1)
+            return to_device(values[chosen], device).unsqueeze(1)
 
         return Penalties(
-            rows=torch.from_numpy(at).to(device),
+            rows=to_device(at, device),
             presence=column(self.presence),
             frequency=column(self.frequency),
             repetition=column(self.repetition),

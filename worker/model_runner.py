@@ -39,7 +39,7 @@ from tokenmill.worker.layers.custom_op import use_triton_layers
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.spec_decode import NgramProposer, ranks_within, rejection_sample
-from tokenmill.worker.staging import HostStaging
+from tokenmill.worker.staging import HostStaging, to_device
 
 T = TypeVar("T")
 
@@ -415,7 +415,7 @@ class ModelRunner:
         prompt_logprobs = {}
         for i, at, targets, k in step.prompt_logprobs:
             logits = self.model.compute_logits(hidden[at[0] : at[1]])
-            targets_t = torch.from_numpy(targets).to(hidden.device)
+            targets_t = to_device(targets, hidden.device)
             prompt_logprobs[req_ids[i]] = compute_logprobs(logits, targets_t, k)
         if meta is not None:
             at = step.last_token_t
@@ -528,8 +528,8 @@ def apply_grammar_bitmask(
     at = [p for p, _ in pairs]
     words = np.ascontiguousarray(out.grammar_bitmask[[i for _, i in pairs]], dtype=np.int32)
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
-    allowed = torch.from_numpy(bits[:, : logits.shape[-1]].astype(bool)).to(logits.device)
-    index = torch.tensor(at, device=logits.device)
+    allowed = to_device(bits[:, : logits.shape[-1]].astype(bool), logits.device)
+    index = to_device(at, logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 

@@ -6,6 +6,10 @@ from ordinary memory would make the host wait for the GPU to finish everything q
 it. The buffer is reused from step to step, so before packing the next arrays the host waits
 for the previous copy (only the copy, not the forward queued after it). On the CPU tensors are
 zero-copy views of the arrays.
+
+Every host-to-device copy of a step goes through this module (HostStaging, or `to_device`
+for the odd array), which counts it in `H2D`: bytes and copies, on the CPU too, where the
+count is what a CUDA run copies (scripts/bench_step_overlap.py prints it per step).
 """
 
 from __future__ import annotations
@@ -14,16 +18,45 @@ import numpy as np
 import torch
 
 
+class TransferCount:
+    """Host-to-device traffic so far. (Threads add to it without a lock: a benchmark's
+    figure, not an account.)"""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.copies = 0
+
+    def add(self, nbytes: int, copies: int = 1) -> None:
+        self.bytes += nbytes
+        self.copies += copies
+
+
+H2D = TransferCount()
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One array (or list) on the device, counted in H2D."""
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(values))
+        host = host if dtype is None else host.to(dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype)
+    H2D.add(host.nbytes)
+    return host.to(device)
+
+
 class HostStaging:
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.int32) -> None:
         self.device = device
         self.dtype = dtype
         self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        self.host_itemsize = self.np_dtype.itemsize
         self.host: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
 
     def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Device tensors with the arrays' shapes and this staging's dtype."""
+        """Device tensors with the arrays' shapes and this staging's dtype (one copy)."""
+        H2D.add(sum(a.size for a in arrays) * self.host_itemsize)
         if self.device.type != "cuda":
             return [torch.from_numpy(np.ascontiguousarray(a, self.np_dtype)) for a in arrays]
         packed = self._pack(arrays)
@@ -33,6 +66,7 @@ class HostStaging:
 
     def copy_into(self, pairs: list[tuple[torch.Tensor, np.ndarray]]) -> None:
         """Copies each array into its (contiguous, same-sized) device tensor."""
+        H2D.add(sum(dst.nbytes for dst, _ in pairs), len(pairs))
         if self.device.type != "cuda":
             for dst, array in pairs:
                 dst.copy_(torch.from_numpy(np.ascontiguousarray(array)).view(dst.shape))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
+from tokenmill.worker.staging import to_device
 
 # Bytes of K plus V one decode group may copy out of the cache on the CPU: by default the
 # L2 caches of the cores the step's threads run on (cpu_decode_group_bytes), this when the
@@ -115,7 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
         slots = inputs.slot_mapping.astype(np.int64)
         # A layer's cache viewed as [num_blocks * 2 * block_size, kv_heads, d]: the keys of
         # block b start at row 2*b*block_size, its values block_size rows later.
-        write_k = torch.from_numpy((slots // bs) * (2 * bs) + slots % bs).to(device)
+        write_k = to_device((slots // bs) * (2 * bs) + slots % bs, device)
 
         nd = inputs.num_decodes
         ctx_blocks = cdiv(inputs.seq_lens[:nd], bs)
@@ -136,8 +137,8 @@ class TorchAttentionBackend(AttentionBackend):
             # Additive float mask built once per step (SDPA would convert a boolean one in
             # every layer).
             mask = np.where(valid, 0.0, -np.inf).astype(np.float32)
-            mask_t = torch.from_numpy(mask).to(device, inputs.dtype)[:, None, None, :]
-            groups.append(DecodeGroup(first, size, width, torch.from_numpy(ids).to(device), mask_t))
+            mask_t = to_device(mask, device, inputs.dtype)[:, None, None, :]
+            groups.append(DecodeGroup(first, size, width, to_device(ids, device), mask_t))
             first += size
         max_group_blocks = max((g.size * g.num_blocks for g in groups), default=0)
 
@@ -148,9 +149,7 @@ class TorchAttentionBackend(AttentionBackend):
             block_ids = None
             if seq_len > q_len:
                 num_blocks = cdiv(seq_len, bs)
-                block_ids = torch.from_numpy(
-                    inputs.block_table[r, :num_blocks].astype(np.int64)
-                ).to(device)
+                block_ids = to_device(inputs.block_table[r, :num_blocks].astype(np.int64), device)
             prefills.append(PrefillSpan(start, start + q_len, seq_len, block_ids))
             start += q_len
         return TorchAttentionMetadata(write_k, write_k + bs, groups, max_group_blocks, prefills)
