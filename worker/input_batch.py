@@ -37,7 +37,7 @@ class RequestState:
     generator: torch.Generator | None
     # Speculative decoding verifies proposals with logits adjusted alike at every position,
     # so requests whose adjustment depends on the tokens before (penalties, bad words) or
-    # that report logprobs or follow a grammar do not speculate (min_tokens: once it is out).
+    # that follow a grammar do not speculate (min_tokens: once it is out).
     may_speculate: bool = False
     # A draft model's K/V for this request: written for its first `draft_computed` tokens,
     # then for these proposed tokens (kept where they were accepted). Reset on preemption,
@@ -148,7 +148,6 @@ class InputBatch:
             may_speculate = not (
                 params.has_penalties
                 or params.bad_words_token_ids
-                or params.logprobs is not None
                 or params.structured_outputs is not None
             )
             state = self.requests[new.req_id] = RequestState(

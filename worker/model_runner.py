@@ -437,9 +437,17 @@ class ModelRunner:
                 token_lists = rejection_sample(
                     self.sampler, logits, meta, num_drafts, np.array(draft_ids, dtype=np.int64)
                 )
-                # (Requests asking for logprobs do not speculate: one row each.)
-                sampled = torch.tensor([t[-1] for t in token_lists], device=logits.device)
-                sampled = sampled.repeat_interleave(torch.from_numpy(num_drafts + 1))
+                # Per row, the token it emitted: a request's first rows emit its accepted
+                # proposals, the next its last token; rows after that emit nothing.
+                emitted = np.zeros(len(owners), dtype=np.int64)
+                emits = np.zeros(len(owners), dtype=bool)
+                at = 0
+                for tokens, k in zip(token_lists, num_drafts.tolist()):
+                    emitted[at : at + len(tokens)] = tokens
+                    emits[at : at + len(tokens)] = True
+                    at += k + 1
+                sampled = torch.from_numpy(emitted).to(logits.device)
+                wants = [i for i in wants if emits[i]]  # logprobs: one row per emitted token
             if wants:  # from the raw logits, before any adjustment
                 at_t = torch.tensor(wants, device=logits.device)
                 logprobs = compute_logprobs(logits[at_t], sampled[at_t], top_k)

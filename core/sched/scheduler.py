@@ -343,7 +343,11 @@ class Scheduler:
             )
             if kept and not request.prompt_logprobs_sent:
                 request.prompt_logprob_parts.append(part)
-        logprob_rows = {r: i for i, r in enumerate(runner_output.logprobs_req_ids)}
+        # Each request's rows of logprobs, one per token it emitted: (first, count).
+        logprob_rows: dict[str, tuple[int, int]] = {}
+        for i, r in enumerate(runner_output.logprobs_req_ids):
+            first, count = logprob_rows.get(r, (i, 0))
+            logprob_rows[r] = (first, count + 1)
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = scheduled.get(req_id)
             # Finished (stopped, aborted) while the step ran: its token is moot. A request
@@ -392,10 +396,10 @@ class Scheduler:
             )
             params = request.sampling_params
             if req_id in logprob_rows and params.logprobs is not None:
-                i = logprob_rows[req_id]
+                first, count = logprob_rows[req_id]
                 arrays = runner_output.logprobs
                 assert arrays is not None
-                row = slice(i, i + 1)
+                row = slice(first, first + min(count, len(new_tokens)))  # to a stop inside
                 output.new_logprobs = LogprobsArrays(
                     arrays.token_ids[row], arrays.logprobs[row], arrays.ranks[row]
                 ).first(params.logprobs if params.logprobs >= 0 else arrays.token_ids.shape[1])

@@ -57,7 +57,7 @@ def run(path: str, prompts, params, **engine_args):
 def assert_greedy_same(params: list[SamplingParams], expected: list, actual: list) -> None:
     compared = 0
     for p, want, got in zip(params, expected, actual):
-        if p.temperature != 0.0 and p.logprobs is None:
+        if p.temperature != 0.0:
             continue  # sampled and speculating: other draws, same distribution
         for a, b in zip(want.outputs, got.outputs):
             assert b.token_ids == a.token_ids, (want.request_id, a.token_ids, b.token_ids)
@@ -163,3 +163,25 @@ def test_tiny_model_draft_greedy_equals_no_speculation(
     assert stats["num_preemptions"] > 0
     assert_greedy_same([params[i] for i in greedy], [expected[i] for i in greedy], actual)
     assert stats["spec_decode_acceptance_rate"] > 0.97, stats
+
+
+def test_logprobs_of_accepted_tokens_equal_those_without_speculation(tiny_model) -> None:
+    """A request asking for logprobs speculates too: every emitted token (accepted proposals
+    included) gets its row, equal to the one it gets without speculation."""
+    path = str(tiny_model("llama-gqa"))
+    prompts = [{"prompt_token_ids": [3 + (j % (3 + i)) for j in range(50)]} for i in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3)] * 6
+    common = dict(skip_tokenizer_init=True, multiprocess=False)
+    expected, _ = run(path, prompts, params, **common)
+    actual, stats = run(path, prompts, params, speculative_config=NGRAM, **common)
+    assert stats["spec_decode_num_accepted_tokens"] >= 10, stats
+    for want, got in zip(expected, actual):
+        want, got = want.outputs[0], got.outputs[0]
+        assert got.token_ids == want.token_ids
+        assert len(got.logprobs) == len(got.token_ids)
+        for token, w, g in zip(got.token_ids, want.logprobs, got.logprobs):
+            assert token in g and set(w) <= set(g) | {token}
+            for t in w:
+                if t in g:
+                    assert abs(g[t].logprob - w[t].logprob) < 1e-4, (t, w[t], g[t])
+                    assert g[t].rank == w[t].rank
