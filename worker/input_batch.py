@@ -7,7 +7,9 @@ it stopped. Rows hold what a step reads, in numpy arrays, so that a step only ga
 them: tokens, block table, sampling settings. `apply(scheduler_output)` keeps the rows in step
 with the scheduler's diff: finished requests leave with their state, preempted ones leave
 their row only, new and resumed ones take a free row, known ones get their new block ids and
-progress. The runner appends each sampled token itself. With async scheduling the next step's
+progress. The runner appends each sampled token itself. The rows' sampling settings are
+also kept on the device (`settings`), written when a request takes its row: a step gathers
+its rows' columns there instead of copying its settings. With async scheduling the next step's
 apply() runs while a step still samples: a row that step may write is not given to another
 request until the apply() after.
 """
@@ -79,6 +81,10 @@ class InputBatch:
         self.frequency = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition = np.ones(max_num_reqs, dtype=np.float32)
         self.penalty_rows: set[int] = set()
+        # The settings above on the device, one column per row (rows: _SETTINGS), and the
+        # rows whose column the next step must write first.
+        self.settings = torch.zeros((len(_SETTINGS), max_num_reqs), device=device)
+        self.stale_settings: list[int] = []
         self.output_counts: torch.Tensor | None = None  # [rows, V] int32
         self.prompt_mask: torch.Tensor | None = None  # [rows, V] bool
         self.allowed_masks: dict[int, torch.Tensor] = {}  # row -> [V] bool, True where allowed
@@ -198,6 +204,7 @@ class InputBatch:
             self.num_prompt_logprobs[row] = self.vocab_size if k == -1 else k
         if state.generator is not None:
             self.generators[row] = state.generator
+        self.stale_settings.append(row)  # (after its settings: another thread may flush it)
 
     def _track_tokens(self, row: int, prompt: list[int], outputs: list[int]) -> None:
         if self.output_counts is None:
@@ -244,7 +251,27 @@ class InputBatch:
                 one = torch.ones(1, dtype=torch.int32, device=self.device)
                 self.output_counts.index_put_(index, one.expand(len(index[0])), accumulate=True)
 
-    def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
+    def _write_settings(self) -> None:
+        """The device columns of the rows that took a request since the last step: their
+        settings and their row numbers packed into one copy."""
+        stale, self.stale_settings = self.stale_settings, []
+        if not stale:
+            return
+        rows = np.unique(stale)
+        packed = np.stack(
+            [rows.astype(np.float32)]
+            + [getattr(self, name)[rows].astype(np.float32) for name in _SETTINGS]
+        )
+        packed_t = to_device(packed, self.device)
+        self.settings[:, packed_t[0].long()] = packed_t[1:]
+
+    def sampling_metadata(
+        self, rows: np.ndarray, rows_t: torch.Tensor | None = None
+    ) -> SamplingMetadata:
+        """rows_t: `rows` on the device, if the step copied them already."""
+        self._write_settings()
+        rows_t = to_device(rows, self.device) if rows_t is None else rows_t
+        column = dict(zip(_SETTINGS, self.settings[:, rows_t]))
         temperature = self.temperature[rows]
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
         # Per-row Python work only for the rows that need it (usually none).
@@ -263,28 +290,28 @@ class InputBatch:
                     for token in _bad_word_ends(self.bad_words[row], output):
                         banned.setdefault(i, []).append(token)
         return SamplingMetadata(
-            temperature=to_device(temperature, device),
+            temperature=column["temperature"],
             all_greedy=bool((temperature == 0).all()),
-            top_k=to_device(top_k, device) if (top_k > 0).any() else None,
-            top_p=to_device(top_p, device) if (top_p < 1).any() else None,
-            min_p=to_device(min_p, device) if (min_p > 0).any() else None,
+            top_k=column["top_k"].long() if (top_k > 0).any() else None,
+            top_p=column["top_p"] if (top_p < 1).any() else None,
+            min_p=column["min_p"] if (min_p > 0).any() else None,
             generators=generators,
             banned_token_ids=banned,
-            allowed=self._allowed(rows, device),
-            bias=self._bias(rows, device),
-            penalties=self._penalties(rows, device),
+            allowed=self._allowed(rows),
+            bias=self._bias(rows),
+            penalties=self._penalties(rows, rows_t, column),
         )
 
-    def _allowed(self, rows: np.ndarray, device: torch.device):
+    def _allowed(self, rows: np.ndarray):
         if not self.allowed_masks:
             return None
         at = _positions_in(rows, self.allowed_masks)
         if not len(at):
             return None
         masks = torch.stack([self.allowed_masks[r] for r in rows[at].tolist()])
-        return to_device(at, device), masks
+        return to_device(at, self.device), masks
 
-    def _bias(self, rows: np.ndarray, device: torch.device):
+    def _bias(self, rows: np.ndarray):
         if not self.logit_bias:
             return None
         at = _positions_in(rows, self.logit_bias)
@@ -295,32 +322,33 @@ class InputBatch:
         token_ids = [t for _, (ids, _) in entries for t in ids]
         values = [v for _, (_, vals) in entries for v in vals]
         return (
-            to_device(positions, device),
-            to_device(token_ids, device),
-            to_device(values, device, torch.float32),
+            to_device(positions, self.device),
+            to_device(token_ids, self.device),
+            to_device(values, self.device, torch.float32),
         )
 
-    def _penalties(self, rows: np.ndarray, device: torch.device) -> Penalties | None:
+    def _penalties(self, rows: np.ndarray, rows_t: torch.Tensor, column: dict) -> Penalties | None:
         if not self.penalty_rows:
             return None
         at = _positions_in(rows, self.penalty_rows)
         if not len(at):
             return None
         assert self.output_counts is not None and self.prompt_mask is not None
-        chosen = rows[at]
-        index = to_device(chosen, self.device)
-
-        def column(values: np.ndarray) -> torch.Tensor:
-            return to_device(values[chosen], device).unsqueeze(1)
-
+        at_t = to_device(at, self.device)
+        index = rows_t[at_t]
         return Penalties(
-            rows=to_device(at, device),
-            presence=column(self.presence),
-            frequency=column(self.frequency),
-            repetition=column(self.repetition),
+            rows=at_t,
+            presence=column["presence"][at_t].unsqueeze(1),
+            frequency=column["frequency"][at_t].unsqueeze(1),
+            repetition=column["repetition"][at_t].unsqueeze(1),
             output_counts=self.output_counts[index],
             prompt_mask=self.prompt_mask[index],
         )
+
+
+# The per-row settings kept on the device (InputBatch.settings; top_k as a float, exact
+# below 2^24).
+_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "presence", "frequency", "repetition")
 
 
 def _positions_in(rows: np.ndarray, wanted) -> np.ndarray:

@@ -350,8 +350,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and num_decodes == total and graphs.padded_size(total) is not None:
             step.graph_inputs = (slot_mapping, seq_lens, block_table)
-            if gather:
-                step.last_token_t = self.staging.to_device(last_token)[0]
+            last_token_t, step.sample_rows_t = self.staging.to_device(last_token, step.sample_rows)
+            step.last_token_t = last_token_t if gather else None
         else:
             attn_inputs = StepAttentionInputs(
                 num_decodes=num_decodes,
@@ -364,7 +364,9 @@ class ModelRunner:
                 dtype=self.dtype,
             )
             step.attn_metadata = self.attn_backend.build_metadata(attn_inputs)
-            step.positions_t, last_token_t = self.staging.to_device(positions, last_token)
+            step.positions_t, last_token_t, step.sample_rows_t = self.staging.to_device(
+                positions, last_token, step.sample_rows
+            )
             step.last_token_t = last_token_t if gather else None
         batch.num_computed_tokens[rows] = seq_lens
         if timer is not None:
@@ -383,7 +385,11 @@ class ModelRunner:
         sample_rows = step.sample_rows
         try:
             input_ids = batch.token_ids[step.token_rows, step.positions]
-            meta = batch.sampling_metadata(sample_rows, self.device) if len(sample_rows) else None
+            meta = (
+                batch.sampling_metadata(sample_rows, step.sample_rows_t)
+                if len(sample_rows)
+                else None
+            )
             wants = [i for i, r in enumerate(sample_rows.tolist()) if r in batch.num_logprobs]
             top_k = max((batch.num_logprobs[int(sample_rows[i])] for i in wants), default=0)
         finally:
@@ -446,10 +452,10 @@ class ModelRunner:
                     emitted[at : at + len(tokens)] = tokens
                     emits[at : at + len(tokens)] = True
                     at += k + 1
-                sampled = torch.from_numpy(emitted).to(logits.device)
+                sampled = to_device(emitted, logits.device)
                 wants = [i for i in wants if emits[i]]  # logprobs: one row per emitted token
             if wants:  # from the raw logits, before any adjustment
-                at_t = torch.tensor(wants, device=logits.device)
+                at_t = to_device(wants, logits.device)
                 logprobs = compute_logprobs(logits[at_t], sampled[at_t], top_k)
                 logprobs_req_ids = [req_ids[owners[i]] for i in wants]
             request_rows = sample_rows if num_drafts is None else step.rows[step.done]
@@ -679,6 +685,7 @@ class _Step:
     attn_metadata: object = None
     positions_t: torch.Tensor | None = None
     last_token_t: torch.Tensor | None = None  # rows of the hidden states that sample
+    sample_rows_t: torch.Tensor | None = None  # sample_rows on the device
     # Set once the device part has read the batch (the next step may then change it).
     inputs_taken: threading.Event = field(default_factory=threading.Event)
     future: Future | None = None

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tokenmill.worker.sampler import Sampler, SamplingMetadata, first_arg
+from tokenmill.worker.staging import to_device
 
 # From this many requests on, the n-gram search runs on the whole batch at once (on 2 cores:
 # 0.2 ms against 0.3 for 16 requests of ~600 tokens, 4.4 against 7.8 ms for 256 of ~1,100).
@@ -119,7 +120,7 @@ def rejection_sample(
     device = logits.device
     counts = num_drafts.astype(np.int64)
     starts = np.concatenate(([0], np.cumsum(counts + 1)[:-1]))
-    x = torch.from_numpy(draft_ids.astype(np.int64)).to(device)
+    x = to_device(draft_ids.astype(np.int64), device)
     greedy_tokens, probs = sampler.distributions(logits, meta)
     if probs is None:  # all greedy: accept while the proposal is the argmax
         num_accepted, tokens = _accept_greedy(greedy_tokens, x, counts, starts)
@@ -130,8 +131,8 @@ def rejection_sample(
         # the race's log-uniforms for every row.
         u = sampler.uniform(len(draft_rows), meta, draft_rows, device)
         log_u = sampler.log_uniform(probs, meta)
-        cu = torch.from_numpy(np.concatenate(([0], np.cumsum(counts)))).to(device)
-        greedy = meta.temperature[torch.from_numpy(starts).to(device)] == 0.0
+        cu = to_device(np.concatenate(([0], np.cumsum(counts))), device)
+        greedy = meta.temperature[to_device(starts, device)] == 0.0
         recover = accept_and_recover_reference
         if device.type == "cuda":
             from tokenmill.kernels.rejection import accept_and_recover as recover
@@ -152,9 +153,9 @@ def _accept_greedy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     device = greedy_tokens.device
     ranks = ranks_within(counts)
-    rows = torch.from_numpy(np.repeat(starts, counts) + ranks).to(device)
+    rows = to_device(np.repeat(starts, counts) + ranks, device)
     num_accepted = _leading(greedy_tokens[rows] == x, counts, ranks)
-    last = torch.from_numpy(starts).to(device) + num_accepted
+    last = to_device(starts, device) + num_accepted
     return num_accepted, greedy_tokens[last]
 
 
@@ -164,8 +165,8 @@ def _leading(accepted: torch.Tensor, counts: np.ndarray, ranks: np.ndarray) -> t
     width = int(counts.max(initial=0))
     grid = torch.zeros(len(counts), max(width, 1), dtype=torch.bool, device=device)
     if len(accepted):
-        owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(device)
-        grid[owner, torch.from_numpy(ranks).to(device)] = accepted
+        owner = to_device(np.repeat(np.arange(len(counts)), counts), device)
+        grid[owner, to_device(ranks, device)] = accepted
     return grid.long().cumprod(dim=1).sum(dim=1)
 
 
@@ -188,14 +189,14 @@ def accept_and_recover_reference(
     counts = (cu_drafts[1:] - cu_drafts[:-1]).cpu().numpy()
     starts = np.concatenate(([0], np.cumsum(counts + 1)[:-1]))
     ranks = ranks_within(counts)
-    rows = torch.from_numpy(np.repeat(starts, counts) + ranks).to(device)
+    rows = to_device(np.repeat(starts, counts) + ranks, device)
     x = draft_ids[: len(rows)].unsqueeze(1)
     p = probs[rows]
     p_x = p.gather(1, x)[:, 0]
     if q is None:
         q = torch.zeros_like(p).scatter_(1, x, 1.0)
     q_x = q.gather(1, x)[:, 0]
-    owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(device)
+    owner = to_device(np.repeat(np.arange(len(counts)), counts), device)
     is_greedy = greedy[owner]
     accepted = torch.where(is_greedy, greedy_tokens[rows] == x[:, 0], u * q_x < p_x)
     num_accepted = _leading(accepted, counts, ranks)
@@ -204,7 +205,7 @@ def accept_and_recover_reference(
     weights = probs.clone()
     weights[rows] = residual(p, q)
     race = first_arg(weights.div_(log_u), largest=False)
-    last = torch.from_numpy(starts).to(device) + num_accepted
+    last = to_device(starts, device) + num_accepted
     return num_accepted, torch.where(greedy, greedy_tokens[last], race[last])
 
 
