@@ -22,8 +22,8 @@ async scheduling the worker prepares the next step while this one's forward runs
 next forward needs the sampled tokens), so a step takes at least their sum.
 
     python scripts/bench_step_overlap.py [--requests 1 64 256] [--forward-ms 0.5 2 10]
-        [--temperature 1.0] [--seeded] [--async-scheduling off on] [--executor uni mp]
-        [--rounds 3]
+        [--temperature 1.0] [--top-k 0] [--top-p 1.0] [--seeded]
+        [--async-scheduling off on] [--executor uni mp] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -167,6 +167,8 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, nargs="+", default=[0.5, 2.0, 10.0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0: off")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seeded", action="store_true", help="every request has its own seed")
     parser.add_argument("--async-scheduling", nargs="+", choices=["off", "on"],
                         default=["off", "on"])  # fmt: skip
@@ -174,10 +176,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="sweeps, one after another; each row is its best round")  # fmt: skip
     args = parser.parse_args()
-    params = SamplingParams(temperature=args.temperature, seed=0 if args.seeded else None,
-                            max_tokens=100_000, ignore_eos=True)  # fmt: skip
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=0 if args.seeded else None, max_tokens=100_000,
+                            ignore_eos=True)  # fmt: skip
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, temperature "
-          f"{args.temperature}{', seeded' if args.seeded else ''}; ms per step")  # fmt: skip
+          f"{args.temperature}, top-k {args.top_k}, top-p {args.top_p}"
+          f"{', seeded' if args.seeded else ''}; ms per step")  # fmt: skip
     best: dict[tuple, dict[str, float]] = {}
     for _ in range(args.rounds):  # each round sweeps every setting once
         for executor in args.executor:

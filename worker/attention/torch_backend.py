@@ -116,12 +116,12 @@ class TorchAttentionBackend(AttentionBackend):
         slots = inputs.slot_mapping.astype(np.int64)
         # A layer's cache viewed as [num_blocks * 2 * block_size, kv_heads, d]: the keys of
         # block b start at row 2*b*block_size, its values block_size rows later.
-        write_k = to_device((slots // bs) * (2 * bs) + slots % bs, device)
+        write_k = (slots // bs) * (2 * bs) + slots % bs
 
         nd = inputs.num_decodes
         ctx_blocks = cdiv(inputs.seq_lens[:nd], bs)
         limit = self.decode_group_blocks
-        groups = []
+        spans = []  # per decode group: (first, size, width)
         first = 0
         while first < nd:
             # Grow the group while its padded copy fits the limit (at least one request).
@@ -131,28 +131,42 @@ class TorchAttentionBackend(AttentionBackend):
                 if limit is not None and (size + 1) * wider > limit:
                     break
                 size, width = size + 1, wider
-            rows = slice(first, first + size)
-            ids = inputs.block_table[rows, :width].reshape(-1).astype(np.int64)
-            valid = np.arange(width * bs)[None, :] < inputs.seq_lens[rows, None]
+            spans.append((first, size, width))
+            first += size
+        prefill_blocks = []  # per prefill with earlier context: (request, its blocks)
+        for r in range(nd, len(inputs.query_lens)):
+            if inputs.seq_lens[r] > inputs.query_lens[r]:
+                prefill_blocks.append(
+                    (r, inputs.block_table[r, : cdiv(int(inputs.seq_lens[r]), bs)])
+                )
+
+        # What the device needs, in one copy: the cache rows to write, the decodes' lengths
+        # (their masks are built there) and every group's and prefill's block ids.
+        parts = [write_k, inputs.seq_lens[:nd]]
+        parts += [inputs.block_table[f : f + n, :w].reshape(-1) for f, n, w in spans]
+        parts += [ids for _, ids in prefill_blocks]
+        packed = to_device(np.concatenate(parts).astype(np.int64), device)
+        pieces = iter(torch.split(packed, [len(x) for x in parts]))
+        write_k_t, seq_lens_t = next(pieces), next(pieces)
+
+        groups = []
+        for f, n, w in spans:
             # Additive float mask built once per step (SDPA would convert a boolean one in
             # every layer).
-            mask = np.where(valid, 0.0, -np.inf).astype(np.float32)
-            mask_t = to_device(mask, device, inputs.dtype)[:, None, None, :]
-            groups.append(DecodeGroup(first, size, width, to_device(ids, device), mask_t))
-            first += size
+            padding = torch.arange(w * bs, device=device)[None, :] >= seq_lens_t[f : f + n, None]
+            mask = torch.zeros(padding.shape, dtype=inputs.dtype, device=device)
+            mask.masked_fill_(padding, float("-inf"))
+            groups.append(DecodeGroup(f, n, w, next(pieces), mask[:, None, None, :]))
         max_group_blocks = max((g.size * g.num_blocks for g in groups), default=0)
 
         prefills = []
         start = nd
+        with_context = dict((r, next(pieces)) for r, _ in prefill_blocks)
         for r in range(nd, len(inputs.query_lens)):
             q_len, seq_len = int(inputs.query_lens[r]), int(inputs.seq_lens[r])
-            block_ids = None
-            if seq_len > q_len:
-                num_blocks = cdiv(seq_len, bs)
-                block_ids = to_device(inputs.block_table[r, :num_blocks].astype(np.int64), device)
-            prefills.append(PrefillSpan(start, start + q_len, seq_len, block_ids))
+            prefills.append(PrefillSpan(start, start + q_len, seq_len, with_context.get(r)))
             start += q_len
-        return TorchAttentionMetadata(write_k, write_k + bs, groups, max_group_blocks, prefills)
+        return TorchAttentionMetadata(write_k_t, write_k_t + bs, groups, max_group_blocks, prefills)
 
     def forward(
         self,
