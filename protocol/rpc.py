@@ -6,7 +6,8 @@ to one PULL socket: sending and receiving never share a socket, so one thread ma
 next call while another waits for replies. A call is a header frame (`RpcCall`) followed by
 the codec's frames of the argument tuple; a reply is a header (`RpcReply`) followed by the
 frames of the result, or of the error text.
-Both sides decode arguments and results by the Worker method's type hints, so a
+Only the methods in the Worker's RPC table (`Worker.rpc_methods`) can be called, and both
+sides decode arguments and results by their type hints, so a
 SchedulerOutput arrives as a SchedulerOutput and numpy arrays as raw frames; nothing is ever
 pickled. Used by core/executor/multiproc.py and worker/worker_proc.py.
 """
@@ -42,12 +43,21 @@ class RpcReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  
     ok: bool = True  # False: the payload is the error's text
 
 
+def rpc_method(cls: type, method: str) -> Any:
+    """`cls.method`, if cls's RPC table (its `rpc_methods`) lists it: only those are
+    callable from another process, and their type hints are what travels."""
+    table = getattr(cls, "rpc_methods", frozenset())
+    if method not in table:
+        raise AttributeError(
+            f"{cls.__name__} has no RPC method {method!r} (its RPC table: {sorted(table)})"
+        )
+    return getattr(cls, method)
+
+
 @functools.cache
 def argument_type(cls: type, method: str, num_args: int, kwarg_names: tuple[str, ...]) -> Any:
     """The tuple type of one call's payload, from `cls.method`'s annotations."""
-    fn = getattr(cls, method, None)
-    if not callable(fn) or method.startswith("_"):
-        raise AttributeError(f"{cls.__name__} has no public method {method!r}")
+    fn = rpc_method(cls, method)
     hints = typing.get_type_hints(fn)
     params = [p for p in inspect.signature(fn).parameters if p != "self"]
     if num_args > len(params) or any(name not in params for name in kwarg_names):
@@ -64,7 +74,7 @@ def argument_type(cls: type, method: str, num_args: int, kwarg_names: tuple[str,
 def return_type(cls: type, method: str) -> Any:
     """What a call's reply holds: the method's return type (of a Future, what it resolves
     to: the worker replies once it completes)."""
-    hint = typing.get_type_hints(getattr(cls, method)).get("return", Any)
+    hint = typing.get_type_hints(rpc_method(cls, method)).get("return", Any)
     if typing.get_origin(hint) is Future:
         (hint,) = typing.get_args(hint)
     return hint

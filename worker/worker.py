@@ -2,8 +2,9 @@
 torch.distributed group), loads its shard of the model, reports how much memory the KV cache
 may take, allocates it, and runs steps.
 
-Every public method here is reachable through `Executor.collective_rpc`; in a worker process
-(worker/worker_proc.py) arguments and results are decoded by these methods' annotations.
+The methods in its RPC table (`rpc_methods`) are what `Executor.collective_rpc` reaches; in
+a worker process (worker/worker_proc.py) their arguments and results are decoded by their
+annotations. The rest (setting up the device and the model) the worker does itself.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
+    # The RPC table: what an executor may call on every rank (collective_rpc). Their type
+    # hints are the wire's types (protocol/rpc.py); a step is `execute_model` (its output)
+    # or `submit_model` (a Future of it, the reply sent when it resolves).
+    rpc_methods = frozenset(
+        {
+            "get_kv_cache_specs",
+            "determine_available_memory",
+            "initialize_kv_cache",
+            "execute_model",
+            "submit_model",
+            "describe_shards",
+        }
+    )
+
     def __init__(
         self,
         config: EngineConfig,

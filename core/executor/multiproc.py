@@ -37,7 +37,14 @@ from tokenmill.protocol.process import (
     stop_processes,
     wait_for_exit,
 )
-from tokenmill.protocol.rpc import SHUTDOWN, STARTUP_CALL_ID, RpcCall, RpcReply, return_type
+from tokenmill.protocol.rpc import (
+    SHUTDOWN,
+    STARTUP_CALL_ID,
+    RpcCall,
+    RpcReply,
+    return_type,
+    rpc_method,
+)
 from tokenmill.worker.worker import Worker
 from tokenmill.worker.worker_proc import call_address, reply_address
 
@@ -158,6 +165,7 @@ class MultiprocExecutor(Executor):
         non_block: bool = False,
         unique_reply_rank: int | None = None,
     ) -> Any:
+        rpc_method(Worker, method)  # (a method the workers do not serve fails here)
         kwargs = kwargs or {}
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
         future = _RpcFuture(self, method, timeout)

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from tokenmill.core.executor.base import Executor
+from tokenmill.protocol.rpc import rpc_method
 from tokenmill.protocol.threads import OrderedThread, chain
 
 
@@ -60,8 +61,10 @@ class UniProcExecutor(Executor):
         non_block: bool = False,
         unique_reply_rank: int | None = None,
     ) -> Any:
+        fn = rpc_method(type(self.worker), method).__get__(self.worker)
+
         def call() -> Any:
-            result = getattr(self.worker, method)(*args, **(kwargs or {}))
+            result = fn(*args, **(kwargs or {}))
             if unique_reply_rank is not None:
                 return result
             if isinstance(result, Future):  # a step whose device part is queued

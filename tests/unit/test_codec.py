@@ -99,8 +99,13 @@ def test_malformed_frames_are_decode_errors(junk: bytes) -> None:
 class _Target:
     """Stands in for the Worker: collective_rpc payloads decode by its annotations."""
 
+    rpc_methods = frozenset({"step"})
+
     def step(self, out: SchedulerOutput, mask: np.ndarray, scale: float = 1.0) -> int:
         return 0
+
+    def rest(self) -> None:  # public, but not in the RPC table
+        pass
 
 
 def test_rpc_arguments_decode_by_the_methods_annotations() -> None:
@@ -121,5 +126,7 @@ def test_rpc_arguments_decode_by_the_methods_annotations() -> None:
     assert np.array_equal(decoded[1], mask) and decoded[2] == 0.5
     with pytest.raises(TypeError, match="does not take"):
         argument_type(_Target, "step", 4, ())
-    with pytest.raises(AttributeError, match="no public method"):
+    with pytest.raises(AttributeError, match="no RPC method '_private'"):
         argument_type(_Target, "_private", 0, ())
+    with pytest.raises(AttributeError, match=r"no RPC method 'rest' \(its RPC table: \['step'\]\)"):
+        argument_type(_Target, "rest", 0, ())
