@@ -105,13 +105,12 @@ class StructuredOutputManager:
         """Sets out.grammar_req_ids / out.grammar_bitmask for the requests of
         `grammar_req_ids` that are scheduled and sample a token this step (the loop runs over
         the constrained requests only, not the whole batch)."""
-        scheduled = out.num_scheduled_tokens
-        sampling = []
-        for req_id in grammar_req_ids:
-            request = requests.get(req_id)
-            # Only a step that reaches the end of the request's tokens samples one.
-            if req_id in scheduled and request.num_computed_tokens >= request.num_tokens:
-                sampling.append(request)
+        scheduled, partial = out.num_scheduled_tokens, set(out.partial_req_ids)
+        sampling = [
+            requests[req_id]
+            for req_id in grammar_req_ids
+            if req_id in scheduled and req_id not in partial
+        ]
         if not sampling:
             return
         import torch

@@ -54,7 +54,7 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     # available RAM. 4 GiB holds 93k tokens of SmolLM2 in fp32 (186k in bf16).
     "TOKENMILL_CPU_KVCACHE_SPACE": _float("TOKENMILL_CPU_KVCACHE_SPACE", 4.0),
     "TOKENMILL_CPU_KV_FRACTION": _float("TOKENMILL_CPU_KV_FRACTION", 0.25),
-    # 0 leaves glibc malloc's defaults alone on the CPU (see worker.keep_freed_memory).
+    # 0 leaves glibc malloc's defaults alone on the CPU (see worker/platform.py, keep_freed_memory).
     "TOKENMILL_CPU_MALLOC_TUNING": _bool("TOKENMILL_CPU_MALLOC_TUNING", True),
     # Seconds between the engine's one-line stats summaries while busy.
     "TOKENMILL_LOG_STATS_INTERVAL": _float("TOKENMILL_LOG_STATS_INTERVAL", 5.0),

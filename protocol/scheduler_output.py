@@ -56,6 +56,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignor
     # Whether the workers propose tokens after this step's sampling, for the next step to
     # verify (the scheduler's choice: speculation is off where it does not pay).
     propose: bool = False
+    # The scheduled requests that sample nothing this step (a prompt chunk short of the
+    # prompt's end): every other one samples. The scheduler decides it once; the workers and
+    # the structured outputs read it here.
+    partial_req_ids: list[str] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]

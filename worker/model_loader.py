@@ -21,9 +21,9 @@ from torch import nn
 
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.worker.attention.base import AttentionBackend
-from tokenmill.worker.layers.embedding import ParallelLMHead
-from tokenmill.worker.layers.linear import LinearBase, default_weight_loader, pack_cpu_weights
+from tokenmill.worker.layers.linear import default_weight_loader
 from tokenmill.worker.models import get_model_class
+from tokenmill.worker.platform import platform_of
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +62,7 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
         _init_dummy(model, model_config.seed)
     else:
         load_weights(model, _iter_safetensors(Path(model_config.model)))
-    if device.type == "cpu":
-        matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-        packed, widened = pack_cpu_weights(matmuls)
-        if packed < len(matmuls):
-            logger.info("%d of %d matmul weights packed for oneDNN", packed, len(matmuls))
-        if widened:
-            logger.info(
-                "this CPU has no bf16 GEMM: %d bf16 matmul weights widened to fp32 (bf16 "
-                "activations and KV cache, fp32 matmuls)",
-                widened,
-            )
+    platform_of(device).prepare_model(model)
     return model.eval()
 
 

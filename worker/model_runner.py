@@ -8,11 +8,7 @@ fully computed, and sample. Owns the model, the KV cache tensors and the sampler
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import math
-import mmap
 import os
 import threading
 import time
@@ -31,12 +27,13 @@ from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, 
 from tokenmill.protocol.threads import OrderedThread
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
-from tokenmill.worker.attention.torch_backend import TorchAttentionBackend, cpu_decode_group_bytes
+from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
 from tokenmill.worker.draft_model import DraftModel
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.layers.custom_op import use_triton_layers
 from tokenmill.worker.model_loader import get_model
+from tokenmill.worker.platform import platform_of, zeroed_tensor
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.spec_decode import NgramProposer, ranks_within, rejection_sample
 from tokenmill.worker.staging import HostStaging, to_device
@@ -53,6 +50,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
+        self.platform = platform_of(device)
         self.dtype = getattr(torch, config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.use_triton = config.device_config.attention_backend == "TRITON_ATTN"
@@ -83,13 +81,11 @@ class ModelRunner:
         # free (CUDA): on the CPU the forward needs every core.
         overlap = envs.TOKENMILL_OVERLAP_STEPS
         self.overlap_steps = config.scheduler_config.async_scheduling and (
-            device.type == "cuda" if overlap is None else overlap
+            self.platform.overlaps_steps if overlap is None else overlap
         )
         self._device_thread: OrderedThread | None = None
         if self.overlap_steps:
-            cuda = device.type == "cuda"
-            setup = (lambda: torch.cuda.set_device(device)) if cuda else None
-            self._device_thread = OrderedThread("device", setup)
+            self._device_thread = OrderedThread("device", self.platform.thread_setup(device))
         self._in_flight: _Step | None = None
 
     def on_device(self, fn: Callable[[], T]) -> T:
@@ -138,8 +134,7 @@ class ModelRunner:
             self.kv_caches.append(cache)
         if self.drafter is not None:
             self.kv_caches += self.drafter.allocate(num_blocks, zeroed_tensor)
-        if self.device.type == "cpu":
-            commit_pages(self.kv_caches)
+        self.platform.commit(self.kv_caches)
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs,
             config.model_config.max_model_len,
@@ -148,7 +143,7 @@ class ModelRunner:
             self.device,
         )
         device_config = config.device_config
-        if self.device.type == "cuda" and self.use_triton and not device_config.enforce_eager:
+        if self.platform.has_graphs and self.use_triton and not device_config.enforce_eager:
             self.enable_decode_graphs(capture=True)
 
     def enable_decode_graphs(self, capture: bool) -> None:
@@ -320,11 +315,13 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
 
-        # Only requests whose every token is now computed produce a token this step, from
-        # the hidden state of their last token (when every token is one, no gather is needed).
-        # (With steps overlapped, a count may still lack the token the step before is
-        # sampling; the comparison holds either way, that request's step being one decode.)
-        done = seq_lens >= batch.num_tokens[rows]
+        # Requests produce a token this step unless the scheduler says their step is part of
+        # a prompt, from the hidden state of their last token (when every token is one, no
+        # gather is needed).
+        done = np.ones(len(req_ids), dtype=bool)
+        if out.partial_req_ids:
+            partial = set(out.partial_req_ids)
+            done[[i for i, r in enumerate(req_ids) if r in partial]] = False
         # The hidden states that give logits: each sampling request's last, and before it
         # one per proposed token it verifies.
         num_drafts = num_drafts[done]
@@ -572,8 +569,9 @@ _PROFILE_DECODE_CONTEXT = 8192
 def make_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
     """The configured backend. Triton on the CPU runs in Triton's interpreter (for tests: it
     is slow), which must be chosen before any kernel module is imported."""
+    platform = platform_of(device)
     if config.device_config.attention_backend == "TRITON_ATTN":
-        if device.type == "cpu":
+        if platform.triton_interpreted:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         from tokenmill.worker.attention.triton_backend import TritonAttentionBackend
 
@@ -587,68 +585,7 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> Attent
             getattr(torch, model.dtype),
         )
     # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
-    if device.type == "cuda":
-        return TorchAttentionBackend(decode_group_bytes=None)
-    return TorchAttentionBackend(cpu_decode_group_bytes())
-
-
-def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros; on the CPU, memory the kernel zero-fills as it is first touched.
-
-    A private anonymous mapping needs no memset pass, and advised for transparent huge
-    pages it is faulted in 2 MiB at a time (1.4-1.7x faster than torch.zeros for a 5.5 GiB
-    cache here). `commit_pages` then faults it in, so that steps meet no page faults."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps the mapping alive
-    return raw.view(dtype).view(shape)
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable without writing to them
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
-def commit_pages(tensors: list[torch.Tensor]) -> threading.Thread | None:
-    """Commits the pages of these CPU tensors (from zeroed_tensor): left lazy, a decode step's
-    K/V writes reach a fresh page every few tokens of every request.
-
-    Where the kernel has MADV_POPULATE_WRITE the pages are faulted in on a daemon thread
-    (ctypes releases the GIL), which the engine does not wait for: populating leaves what a
-    step has written meanwhile untouched, and a 4 GiB cache takes 0.4-3 s (the first touch of
-    a VM's memory is the slow part), which start-up no longer pays. Elsewhere one write per
-    page commits them now. Returns the thread, if one was started."""
-    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
-    if not spans:
-        return None
-    madvise = _madvise()
-    page = mmap.PAGESIZE
-    if madvise is not None and madvise(spans[0][0], page, _MADV_POPULATE_WRITE) == 0:
-
-        def populate() -> None:
-            for addr, nbytes in spans:
-                madvise(addr, nbytes, _MADV_POPULATE_WRITE)
-
-        thread = threading.Thread(target=populate, name="kv-commit", daemon=True)
-        thread.start()
-        return thread
-    for t in tensors:
-        t.view(-1).view(torch.uint8)[::page].zero_()
-    return None
+    return TorchAttentionBackend(platform.decode_group_bytes())
 
 
 def _profile_sampling_metadata(rows: int, device: torch.device) -> SamplingMetadata:
@@ -701,6 +638,7 @@ class _StepTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.platform = platform_of(device)
         self.times: dict[str, float] = {}
         self.last = time.perf_counter()
 
@@ -708,8 +646,8 @@ class _StepTimer:
         self.last = time.perf_counter()
 
     def lap(self, stage: str, synchronize: bool = True) -> None:
-        if synchronize and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if synchronize:
+            self.platform.synchronize(self.device)
         now = time.perf_counter()
         self.times[stage] = self.times.get(stage, 0.0) + now - self.last
         self.last = now

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill.worker.platform import platform_of
+
 
 class TransferCount:
     """Host-to-device traffic so far. (Threads add to it without a lock: a benchmark's
@@ -48,6 +50,7 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
 class HostStaging:
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.int32) -> None:
         self.device = device
+        self.pinned = platform_of(device).pinned_staging
         self.dtype = dtype
         self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         self.host_itemsize = self.np_dtype.itemsize
@@ -57,7 +60,7 @@ class HostStaging:
     def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Device tensors with the arrays' shapes and this staging's dtype (one copy)."""
         H2D.add(sum(a.size for a in arrays) * self.host_itemsize)
-        if self.device.type != "cuda":
+        if not self.pinned:
             return [torch.from_numpy(np.ascontiguousarray(a, self.np_dtype)) for a in arrays]
         packed = self._pack(arrays)
         flat = packed.to(self.device, non_blocking=True)
@@ -67,7 +70,7 @@ class HostStaging:
     def copy_into(self, pairs: list[tuple[torch.Tensor, np.ndarray]]) -> None:
         """Copies each array into its (contiguous, same-sized) device tensor."""
         H2D.add(sum(dst.nbytes for dst, _ in pairs), len(pairs))
-        if self.device.type != "cuda":
+        if not self.pinned:
             for dst, array in pairs:
                 dst.copy_(torch.from_numpy(np.ascontiguousarray(array)).view(dst.shape))
             return

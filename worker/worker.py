@@ -9,20 +9,16 @@ annotations. The rest (setting up the device and the model) the worker does itse
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import sys
 from concurrent.futures import Future
 
-import psutil
 import torch
 
-from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_state import init_distributed, init_tensor_parallel
+from tokenmill.worker.platform import platform_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,22 +54,18 @@ class Worker:
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self.distributed_init_method = distributed_init_method
+        self.platform = platform_of(config.device_config.device)
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
-        if self.config.device_config.device == "cuda":
-            self.device = torch.device("cuda", self.local_rank)
-            torch.cuda.set_device(self.device)
-        else:
-            if envs.TOKENMILL_CPU_MALLOC_TUNING:
-                keep_freed_memory()
-            # Ranks on one host split its cores (torch's default count is all of them).
-            torch.set_num_threads(max(1, torch.get_num_threads() // self.local_world_size))
+        self.device = self.platform.device(self.local_rank)
+        self.platform.init_process(self.device, self.local_world_size)
         world_size = self.config.parallel_config.tensor_parallel_size
         if world_size > 1:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            init_distributed(self.rank, world_size, self.distributed_init_method, backend)
+            init_distributed(
+                self.rank, world_size, self.distributed_init_method, self.platform.dist_backend
+            )
         init_tensor_parallel(self.rank, world_size)
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
@@ -87,48 +79,16 @@ class Worker:
         return self.model_runner.get_kv_cache_specs()
 
     def determine_available_memory(self) -> int:
-        """Bytes this rank can give to its KV cache.
-
-        CPU: the host's budget, `kv_cache_memory_bytes` or else TOKENMILL_CPU_KVCACHE_SPACE
-        GiB (default 4, as vLLM's CPU backend) but at most TOKENMILL_CPU_KV_FRACTION (default
-        0.25) of the RAM psutil reports available, split evenly among the ranks on this host.
-        CUDA (per GPU, as in vLLM): `kv_cache_memory_bytes`, else profile the
-        largest step and take `total * gpu_memory_utilization` minus the peak torch allocation
-        (weights + activations) and minus memory held outside torch (the CUDA context, other
-        processes).
-        """
-        cache = self.config.cache_config
-        if self.device.type == "cpu":
-            budget = cache.kv_cache_memory_bytes
-            if budget is None:
-                budget = int(
-                    min(
-                        envs.TOKENMILL_CPU_KVCACHE_SPACE * (1 << 30),
-                        psutil.virtual_memory().available * envs.TOKENMILL_CPU_KV_FRACTION,
-                    )
-                )
-            return budget // self.local_world_size
-        if cache.kv_cache_memory_bytes is not None:
-            return cache.kv_cache_memory_bytes
-        assert self.model_runner is not None
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.model_runner.on_device(self.model_runner.profile_run)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        available = int(total * cache.gpu_memory_utilization) - peak - outside_torch
-        logger.info(
-            "GPU memory: total %.2f GiB, peak torch use %.2f GiB, outside torch %.2f GiB, "
-            "%.2f GiB left for the KV cache",
-            total / 2**30,
-            peak / 2**30,
-            outside_torch / 2**30,
-            available / 2**30,
+        """Bytes this rank can give to its KV cache (Platform.kv_cache_budget: on the CPU a
+        share of the host's RAM, on CUDA what a profiled step leaves of the GPU)."""
+        runner = self.model_runner
+        assert runner is not None
+        return self.platform.kv_cache_budget(
+            self.config.cache_config,
+            self.device,
+            self.local_world_size,
+            lambda: runner.on_device(runner.profile_run),
         )
-        return max(available, 0)
 
     def initialize_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
         """Takes the config as the core settled it (max_model_len after auto-fit) and
@@ -171,28 +131,3 @@ class Worker:
         if self.model_runner.kv_caches:
             shapes["kv_cache"] = list(self.model_runner.kv_caches[0].shape)
         return shapes
-
-
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def keep_freed_memory() -> bool:
-    """Makes glibc malloc keep freed memory for reuse instead of handing it back to the OS.
-
-    A CPU step allocates its activations afresh (up to tens of MB per tensor in a prefill).
-    By default glibc serves large blocks with mmap and trims the heap on free, so every step
-    page-faults its activations in again: on the W1-cpu benchmark up to ~150k extra page
-    faults per run and about 4% of its time. Blocks up to 32 MiB (glibc's ceiling) come from
-    the heap and stay there. Returns whether the settings took (glibc on Linux only).
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    settings = {_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30, _M_TOP_PAD: 64 << 20}
-    return all(mallopt(param, value) == 1 for param, value in settings.items())

@@ -150,6 +150,8 @@ class Scheduler:
             # A step that reaches the end of the request's tokens samples the next one.
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
+            else:
+                output.partial_req_ids.append(request.request_id)
         self.in_flight.append(scheduled)
         return output
 

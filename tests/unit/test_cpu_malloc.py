@@ -12,7 +12,7 @@ import pytest
 # Run in a child: the tuning is process-wide and the count must start from glibc's defaults.
 CHILD = """
 import resource, sys, torch
-from tokenmill.worker.worker import keep_freed_memory
+from tokenmill.worker.platform import keep_freed_memory
 
 def faults_for_steps():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

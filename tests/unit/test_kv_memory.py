@@ -8,7 +8,7 @@ import resource
 
 import torch
 
-from tokenmill.worker.model_runner import commit_pages, zeroed_tensor
+from tokenmill.worker.platform import commit_pages, zeroed_tensor
 
 _SHAPE = (4096, 2, 16, 4, 64)  # 256 MiB of fp32: 65536 pages of 4 KiB, 128 huge pages
 

@@ -120,9 +120,11 @@ def test_budget_is_shared_and_long_prompts_are_chunked() -> None:
     assert out.num_scheduled_tokens == {a.request_id: 10, b.request_id: 6}
     assert [r.req_id for r in out.scheduled_new_reqs] == [a.request_id, b.request_id]
     assert a.output_token_ids == [7] and b.output_token_ids == []
+    assert out.partial_req_ids == [b.request_id]  # the workers sample for a only
     out, _ = step(s)
     # Running requests first (a decodes, b finishes its prompt), then c fits in the rest.
     assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 4, c.request_id: 10}
+    assert out.partial_req_ids == []
     assert out.scheduled_cached_reqs.req_ids == [a.request_id, b.request_id]
     assert out.total_num_scheduled_tokens == 15
     d = add(s, 20)
@@ -134,6 +136,7 @@ def test_budget_is_shared_and_long_prompts_are_chunked() -> None:
         c.request_id: 1,
         d.request_id: 13,
     }
+    assert out.partial_req_ids == [d.request_id]
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:

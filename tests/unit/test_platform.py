@@ -1,0 +1,48 @@
+"""The platform object: what differs between the CPU and CUDA, asked in one place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.protocol.config import CacheConfig
+from tokenmill.worker.platform import CpuPlatform, CudaPlatform, platform_of
+
+
+def test_each_device_type_has_its_platform_and_others_are_refused_by_name() -> None:
+    assert isinstance(platform_of(torch.device("cpu")), CpuPlatform)
+    assert isinstance(platform_of("cuda"), CudaPlatform)
+    with pytest.raises(
+        ValueError, match=r"device 'xpu' is not supported \(supported: \['cpu', 'cuda'\]\)"
+    ):
+        platform_of("xpu")
+
+
+def test_cpu_choices() -> None:
+    cpu = platform_of("cpu")
+    # gloo all-reduces; steps run in turn (a forward needs every core); no graphs, no pinned
+    # staging; decode attention in cache-sized groups.
+    assert (cpu.dist_backend, cpu.overlaps_steps, cpu.has_graphs, cpu.pinned_staging) == (
+        "gloo", False, False, False,
+    )  # fmt: skip
+    assert cpu.decode_group_bytes() > 0
+
+    # The host's KV budget is split among its ranks; nothing is profiled for it.
+    def profile() -> None:
+        raise AssertionError("the CPU budget needs no profile")
+
+    cache = CacheConfig(kv_cache_memory_bytes=3 << 30)
+    assert cpu.kv_cache_budget(cache, torch.device("cpu"), 3, profile) == 1 << 30
+    t = cpu.zeroed((4, 8), torch.float16, torch.device("cpu"))
+    assert t.dtype == torch.float16 and t.shape == (4, 8) and not t.any()
+
+
+def test_cuda_choices_without_a_gpu() -> None:
+    cuda = platform_of("cuda")
+    assert (cuda.dist_backend, cuda.overlaps_steps, cuda.has_graphs, cuda.pinned_staging) == (
+        "nccl", True, True, True,
+    )  # fmt: skip
+    assert cuda.decode_group_bytes() is None  # every decode in one attention call
+    # A fixed budget is taken as given, per GPU, without profiling.
+    cache = CacheConfig(kv_cache_memory_bytes=5 << 30)
+    assert cuda.kv_cache_budget(cache, torch.device("cuda", 0), 2, lambda: None) == 5 << 30

@@ -1,0 +1,296 @@
+"""What differs between the CPU and CUDA, in one place: a `Platform` per device type.
+
+The worker and its model runner ask their platform instead of testing `device.type`:
+- CPU: glibc malloc keeps freed memory (steps allocate their activations afresh), the ranks
+  of a host split its cores, the KV cache is lazily zeroed memory committed in the
+  background, matmul weights are packed for oneDNN, decode attention runs in groups sized to
+  the L2 caches, Triton kernels run in the interpreter (tests), the KV budget is a share of
+  the host's RAM, steps run in turn (the forward needs every core), gloo all-reduces.
+- CUDA: one device per local rank, steps overlap (the forward leaves the host free), decode
+  CUDA graphs, pinned staging of a step's inputs (worker/staging.py), the KV budget is what a
+  profiled step leaves of the GPU, nccl all-reduces.
+Kernel-level choices (Triton tile sizes, the rejection kernel, the sampler's chunking) stay
+with their kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import math
+import mmap
+import sys
+import threading
+from collections.abc import Callable
+
+import psutil
+import torch
+
+from tokenmill.protocol import envs
+from tokenmill.protocol.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Platform:
+    device_type: str
+    dist_backend: str
+    # Whether steps overlap by default under async scheduling: only where the forward leaves
+    # the host's cores free.
+    overlaps_steps: bool
+    # Whether decode steps can be replayed from CUDA graphs.
+    has_graphs: bool
+    # Whether Triton kernels run in the interpreter (tests only: slow).
+    triton_interpreted: bool
+    # Whether a step's inputs go through a pinned host buffer, copied asynchronously
+    # (worker/staging.py); otherwise tensors are views of the host arrays.
+    pinned_staging: bool
+
+    def device(self, local_rank: int) -> torch.device:
+        raise NotImplementedError
+
+    def init_process(self, device: torch.device, local_world_size: int) -> None:
+        """The worker process's set-up, before anything is allocated."""
+
+    def thread_setup(self, device: torch.device) -> Callable[[], None] | None:
+        """What a thread that runs torch work for this device runs first."""
+        return None
+
+    def zeroed(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def commit(self, tensors: list[torch.Tensor]) -> None:
+        """Makes the KV cache's memory resident (where it is not already)."""
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Weight layouts for this device, once the weights are loaded."""
+
+    def decode_group_bytes(self) -> int | None:
+        """K+V bytes one decode group of the torch attention backend may copy (None: all
+        decodes in one attention call)."""
+        return None
+
+    def synchronize(self, device: torch.device) -> None:
+        """Waits for the device's queued work (step timing)."""
+
+    def kv_cache_budget(
+        self, cache: CacheConfig, device: torch.device, local_world_size: int,
+        profile: Callable[[], None],
+    ) -> int:  # fmt: skip
+        """Bytes this rank can give to its KV cache; profile() runs the largest step."""
+        raise NotImplementedError
+
+
+class CpuPlatform(Platform):
+    device_type = "cpu"
+    dist_backend = "gloo"
+    overlaps_steps = False
+    has_graphs = False
+    triton_interpreted = True
+    pinned_staging = False
+
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device("cpu")
+
+    def init_process(self, device: torch.device, local_world_size: int) -> None:
+        if envs.TOKENMILL_CPU_MALLOC_TUNING:
+            keep_freed_memory()
+        # Ranks on one host split its cores (torch's default count is all of them).
+        torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
+
+    def zeroed(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _cpu_zeroed(shape, dtype)
+
+    def commit(self, tensors: list[torch.Tensor]) -> None:
+        commit_pages(tensors)
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        from tokenmill.worker.layers.embedding import ParallelLMHead
+        from tokenmill.worker.layers.linear import LinearBase, pack_cpu_weights
+
+        matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+        packed, widened = pack_cpu_weights(matmuls)
+        if packed < len(matmuls):
+            logger.info("%d of %d matmul weights packed for oneDNN", packed, len(matmuls))
+        if widened:
+            logger.info(
+                "this CPU has no bf16 GEMM: %d bf16 matmul weights widened to fp32 (bf16 "
+                "activations and KV cache, fp32 matmuls)",
+                widened,
+            )
+
+    def decode_group_bytes(self) -> int | None:
+        from tokenmill.worker.attention.torch_backend import cpu_decode_group_bytes
+
+        return cpu_decode_group_bytes()
+
+    def kv_cache_budget(
+        self, cache: CacheConfig, device: torch.device, local_world_size: int,
+        profile: Callable[[], None],
+    ) -> int:  # fmt: skip
+        """The host's budget, `kv_cache_memory_bytes` or else TOKENMILL_CPU_KVCACHE_SPACE
+        GiB (default 4, as vLLM's CPU backend) but at most TOKENMILL_CPU_KV_FRACTION (default
+        0.25) of the RAM psutil reports available, split evenly among the ranks on this
+        host."""
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            budget = int(
+                min(
+                    envs.TOKENMILL_CPU_KVCACHE_SPACE * (1 << 30),
+                    psutil.virtual_memory().available * envs.TOKENMILL_CPU_KV_FRACTION,
+                )
+            )
+        return budget // local_world_size
+
+
+class CudaPlatform(Platform):
+    device_type = "cuda"
+    dist_backend = "nccl"
+    overlaps_steps = True
+    has_graphs = True
+    triton_interpreted = False
+    pinned_staging = True
+
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device("cuda", local_rank)
+
+    def init_process(self, device: torch.device, local_world_size: int) -> None:
+        torch.cuda.set_device(device)
+
+    def thread_setup(self, device: torch.device) -> Callable[[], None] | None:
+        return lambda: torch.cuda.set_device(device)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def kv_cache_budget(
+        self, cache: CacheConfig, device: torch.device, local_world_size: int,
+        profile: Callable[[], None],
+    ) -> int:  # fmt: skip
+        """Per GPU, as in vLLM: `kv_cache_memory_bytes`, else profile the largest step and
+        take `total * gpu_memory_utilization` minus the peak torch allocation (weights +
+        activations) and minus memory held outside torch (the CUDA context, other
+        processes)."""
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        profile()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(device)
+        available = int(total * cache.gpu_memory_utilization) - peak - outside_torch
+        logger.info(
+            "GPU memory: total %.2f GiB, peak torch use %.2f GiB, outside torch %.2f GiB, "
+            "%.2f GiB left for the KV cache",
+            total / 2**30,
+            peak / 2**30,
+            outside_torch / 2**30,
+            available / 2**30,
+        )
+        return max(available, 0)
+
+
+_PLATFORMS = {"cpu": CpuPlatform(), "cuda": CudaPlatform()}
+
+
+def platform_of(device: torch.device | str) -> Platform:
+    """The platform of a device (or a device type: "cpu", "cuda")."""
+    kind = device if isinstance(device, str) else device.type
+    if kind not in _PLATFORMS:
+        raise ValueError(f"device {kind!r} is not supported (supported: {sorted(_PLATFORMS)})")
+    return _PLATFORMS[kind]
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, as the device's platform makes it (Platform.zeroed)."""
+    return platform_of(device).zeroed(shape, dtype, device)
+
+
+def _cpu_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Memory the kernel zero-fills as it is first touched.
+
+    A private anonymous mapping needs no memset pass, and advised for transparent huge
+    pages it is faulted in 2 MiB at a time (1.4-1.7x faster than torch.zeros for a 5.5 GiB
+    cache here). `commit_pages` then faults it in, so that steps meet no page faults."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps the mapping alive
+    return raw.view(dtype).view(shape)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable without writing to them
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def commit_pages(tensors: list[torch.Tensor]) -> threading.Thread | None:
+    """Commits the pages of these CPU tensors (from zeroed_tensor): left lazy, a decode step's
+    K/V writes reach a fresh page every few tokens of every request.
+
+    Where the kernel has MADV_POPULATE_WRITE the pages are faulted in on a daemon thread
+    (ctypes releases the GIL), which the engine does not wait for: populating leaves what a
+    step has written meanwhile untouched, and a 4 GiB cache takes 0.4-3 s (the first touch of
+    a VM's memory is the slow part), which start-up no longer pays. Elsewhere one write per
+    page commits them now. Returns the thread, if one was started."""
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
+    if not spans:
+        return None
+    madvise = _madvise()
+    page = mmap.PAGESIZE
+    if madvise is not None and madvise(spans[0][0], page, _MADV_POPULATE_WRITE) == 0:
+
+        def populate() -> None:
+            for addr, nbytes in spans:
+                madvise(addr, nbytes, _MADV_POPULATE_WRITE)
+
+        thread = threading.Thread(target=populate, name="kv-commit", daemon=True)
+        thread.start()
+        return thread
+    for t in tensors:
+        t.view(-1).view(torch.uint8)[::page].zero_()
+    return None
+
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_memory() -> bool:
+    """Makes glibc malloc keep freed memory for reuse instead of handing it back to the OS.
+
+    A CPU step allocates its activations afresh (up to tens of MB per tensor in a prefill).
+    By default glibc serves large blocks with mmap and trims the heap on free, so every step
+    page-faults its activations in again: on the W1-cpu benchmark up to ~150k extra page
+    faults per run and about 4% of its time. Blocks up to 32 MiB (glibc's ceiling) come from
+    the heap and stay there. Returns whether the settings took (glibc on Linux only).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    settings = {_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30, _M_TOP_PAD: 64 << 20}
+    return all(mallopt(param, value) == 1 for param, value in settings.items())
