@@ -426,6 +426,8 @@ class Scheduler:
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += len(proposal)
         self.spec_num_accepted_tokens += num_accepted
+        if self.spec_governor is not None:
+            self.spec_governor.verified(num_accepted)
         for pos in range(num_accepted):
             self.spec_accepted_per_pos[pos] += 1
 

@@ -19,7 +19,14 @@ that costs a long catch-up (a draft model's, after a pause) makes the probes rar
 
 A class without measurements takes the nearest smaller measured class's choice when that
 choice is "off" (speculation that loses at a batch size loses at larger ones: verifying
-costs more there and saves fewer steps); otherwise it measures speculation first.
+costs more there and saves fewer steps), and the switch cost measured there; otherwise it
+measures speculation first.
+
+Proposals that are almost never accepted cannot pay at any batch size: a speculative step
+emits at most 1 + (accepted tokens per proposal) tokens per request where a plain one emits
+1, and costs at least as much. While fewer than `MIN_ACCEPTED` tokens per proposal are
+accepted (a decayed mean over the proposals verified), classes start off without measuring
+and probe only every `MAX_INTERVAL` steps, which is where the acceptance is measured again.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ PROBE_COST = 0.02  # the share of time probes may lose
 MIN_INTERVAL = 16
 MAX_INTERVAL = 4096
 DECAY = 0.8  # per sample: the figures follow the last several steps of each mode
+MIN_ACCEPTED = 0.05  # accepted tokens per proposal below which speculation cannot pay
+MIN_PROPOSALS = 3  # proposals verified before that is judged (a first measurement's)
+ACCEPT_DECAY = 0.98  # per proposal: the acceptance follows the last ~50 proposals
 
 
 @dataclass
@@ -60,8 +70,11 @@ class _Class:
             return self.prior_loss
         return max(fast / slow - 1.0, 0.0)
 
-    def interval(self) -> int:
-        """Steps between probes, so that a probe's loss is about PROBE_COST of the time."""
+    def interval(self, hopeless: bool = False) -> int:
+        """Steps between probes, so that a probe's loss is about PROBE_COST of the time
+        (hopeless: proposals are almost never accepted, so the longest interval)."""
+        if hopeless and self.choice is False:
+            return MAX_INTERVAL
         switch = self.switch_steps if self.choice is False else 0.0
         steps = (PROBE_STEPS * self.loss() + switch) / PROBE_COST
         return int(min(MAX_INTERVAL, max(MIN_INTERVAL, steps)))
@@ -76,6 +89,20 @@ class SpeculationGovernor:
     def __init__(self) -> None:
         self.classes: dict[int, _Class] = {}
         self.last_mode: bool | None = None  # the last recorded step's
+        # Decayed sums over the proposals verified: how many, and their accepted tokens.
+        self.proposals = 0.0
+        self.accepted = 0.0
+        self.num_proposals = 0
+
+    def verified(self, num_accepted: int) -> None:
+        """A request's proposal was verified and `num_accepted` of its tokens accepted."""
+        self.proposals = self.proposals * ACCEPT_DECAY + 1.0
+        self.accepted = self.accepted * ACCEPT_DECAY + num_accepted
+        self.num_proposals += 1
+
+    def hopeless(self) -> bool:
+        """Whether proposals are so rarely accepted that speculation cannot pay."""
+        return self.num_proposals >= MIN_PROPOSALS and self.accepted < MIN_ACCEPTED * self.proposals
 
     def _class(self, batch_size: int) -> _Class:
         key = size_class(batch_size)
@@ -86,6 +113,9 @@ class SpeculationGovernor:
             if smaller and self.classes[max(smaller)].choice is False:
                 c.choice = False
                 c.prior_loss = self.classes[max(smaller)].loss()
+                c.switch_steps = self.classes[max(smaller)].switch_steps
+            elif self.hopeless():
+                c.choice = False
         return c
 
     def decide(self, batch_size: int) -> bool:
@@ -106,7 +136,7 @@ class SpeculationGovernor:
                 c.since_probe = 0
             return not c.choice
         c.since_probe += 1
-        if c.since_probe >= c.interval():
+        if c.since_probe >= c.interval(self.hopeless()):
             c.probe_left = PROBE_STEPS
             c.since_probe = 0
         return c.choice

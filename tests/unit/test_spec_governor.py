@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from tokenmill.core.sched.spec_governor import SpeculationGovernor, size_class
+from tokenmill.core.sched.spec_governor import MAX_INTERVAL, SpeculationGovernor, size_class
 
 
 class Simulated:
@@ -108,3 +108,41 @@ def test_a_new_batch_size_starts_from_a_smaller_ones_off() -> None:
 
 def test_size_classes() -> None:
     assert [size_class(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_proposals_never_accepted_stop_the_probing_at_every_batch_size() -> None:
+    """A draft whose proposals are never accepted: after a first measurement at one request,
+    larger batches start off without measuring and probe only every MAX_INTERVAL steps, even
+    where speculation is barely slower and a switch cheap (which would be probed every ~60
+    steps), so each runs within 2% of the time off."""
+    governor = SpeculationGovernor()
+
+    def steps(sim, batch: int, n: int, accepted: int) -> tuple[int, float]:
+        on_steps, seconds = 0, 0.0
+        for _ in range(n):
+            on = governor.decide(batch)
+            verifies = on and sim.last  # (a switch's first step has nothing to verify)
+            t, s = sim.step(batch, on)
+            governor.record(batch, on, t, s)
+            for _ in range(batch if verifies else 0):
+                governor.verified(accepted)
+            on_steps += on
+            seconds += s
+        return on_steps, seconds
+
+    useless = Simulated(tokens_on=1.0, cost_on=1.05, switch=1.0)
+    steps(useless, 1, 200, accepted=0)
+    assert governor.hopeless()
+    for batch in (2, 4, 8, 16):
+        assert not governor.decide(batch)  # no measuring first
+        on_steps, seconds = steps(useless, batch, 3000, accepted=0)
+        off = Simulated(tokens_on=1.0, cost_on=1.05, noise=0.0)
+        plain = sum(off.step(batch, False)[1] for _ in range(3000))
+        assert on_steps <= 2 * 4, (batch, on_steps)  # at most one probe in 3000 steps
+        assert seconds < 1.02 * plain, (batch, seconds / plain)
+    # Proposals accepted again bring the probes back to their measured interval.
+    assert governor.classes[size_class(16)].interval(governor.hopeless()) == MAX_INTERVAL
+    for _ in range(200):
+        governor.verified(2)
+    assert not governor.hopeless()
+    assert governor.classes[size_class(16)].interval(governor.hopeless()) < MAX_INTERVAL
