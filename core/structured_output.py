@@ -104,7 +104,11 @@ class StructuredOutputManager:
     ) -> None:
         """Sets out.grammar_req_ids / out.grammar_bitmask for the requests of
         `grammar_req_ids` that are scheduled and sample a token this step (the loop runs over
-        the constrained requests only, not the whole batch)."""
+        the constrained requests only, not the whole batch). A request that verifies a
+        proposal gets a row per position, in order: the grammar's state after each proposed
+        token, advanced tentatively and rolled back after. Past a proposed token the grammar
+        forbids, rows allow everything: the proposal is rejected there, and those positions
+        emit nothing."""
         scheduled, partial = out.num_scheduled_tokens, set(out.partial_req_ids)
         sampling = [
             requests[req_id]
@@ -116,10 +120,23 @@ class StructuredOutputManager:
         import torch
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(sampling), self.vocab_size)
-        for i, request in enumerate(sampling):
-            request.grammar.fill_next_token_bitmask(bitmask, i)
-        out.grammar_req_ids = [r.request_id for r in sampling]
+        proposals = out.scheduled_spec_decode_tokens
+        rows = [1 + len(proposals.get(r.request_id, ())) for r in sampling]
+        bitmask = xgr.allocate_token_bitmask(sum(rows), self.vocab_size)
+        at = 0
+        for request, num_rows in zip(sampling, rows):
+            grammar = request.grammar
+            grammar.fill_next_token_bitmask(bitmask, at)
+            advanced = 0
+            for token in proposals.get(request.request_id, ()):
+                if not grammar.accept_token(token):
+                    break  # (the rows after this one stay all-allowed)
+                advanced += 1
+                grammar.fill_next_token_bitmask(bitmask, at + advanced)
+            if advanced:
+                grammar.rollback(advanced)
+            at += num_rows
+        out.grammar_req_ids = [r.request_id for r, n in zip(sampling, rows) for _ in range(n)]
         out.grammar_bitmask = bitmask.numpy() if isinstance(bitmask, torch.Tensor) else bitmask
 
     def shutdown(self) -> None:

@@ -47,7 +47,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignor
     preempted_req_ids: list[str] = []
     # Structured outputs: the requests whose token this step is constrained, and their rows
     # of allowed tokens (xgrammar's packed bitmask: [n, ceil(V / 32)] int32, bit j of word w
-    # allows token 32 * w + j).
+    # allows token 32 * w + j). A request verifying a proposal is listed once per position
+    # it scores (1 + len(proposal) rows, in order).
     grammar_req_ids: list[str] = []
     grammar_bitmask: np.ndarray | None = None
     # Speculative decoding: the proposed tokens each request verifies this step (it is

@@ -37,10 +37,6 @@ class RequestState:
     sampling_params: SamplingParams
     # A seeded sampled request's own stream of draws (None: the sampler's shared one).
     generator: torch.Generator | None
-    # Speculative decoding verifies proposals with logits adjusted alike at every position,
-    # so requests whose adjustment depends on the tokens before (penalties, bad words) or
-    # that follow a grammar do not speculate (min_tokens: once it is out).
-    may_speculate: bool = False
     # A draft model's K/V for this request: written for its first `draft_computed` tokens,
     # then for these proposed tokens (kept where they were accepted). Reset on preemption,
     # which frees the blocks.
@@ -151,14 +147,7 @@ class InputBatch:
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
-            may_speculate = not (
-                params.has_penalties
-                or params.bad_words_token_ids
-                or params.structured_outputs is not None
-            )
-            state = self.requests[new.req_id] = RequestState(
-                new.req_id, params, generator, may_speculate
-            )
+            state = self.requests[new.req_id] = RequestState(new.req_id, params, generator)
         else:
             state.draft_computed, state.draft_pending = 0, []
         row = self.free_rows.pop()
@@ -220,13 +209,6 @@ class InputBatch:
             self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         self.penalty_rows.add(row)
 
-    def may_speculate(self, row: int) -> bool:
-        req_id = self.req_ids[row]
-        assert req_id is not None
-        state = self.requests[req_id]
-        num_output = self.num_tokens[row] - self.num_prompt_tokens[row]
-        return state.may_speculate and num_output >= self.min_tokens[row]
-
     def append_token_lists(self, rows: np.ndarray, token_lists: list[list[int]]) -> None:
         """Appends each row's tokens (one or more), in order."""
         if all(len(t) == 1 for t in token_lists):
@@ -266,9 +248,15 @@ class InputBatch:
         self.settings[:, packed_t[0].long()] = packed_t[1:]
 
     def sampling_metadata(
-        self, rows: np.ndarray, rows_t: torch.Tensor | None = None
+        self,
+        rows: np.ndarray,
+        rows_t: torch.Tensor | None = None,
+        ranks: np.ndarray | None = None,
     ) -> SamplingMetadata:
-        """rows_t: `rows` on the device, if the step copied them already."""
+        """rows_t: `rows` on the device, if the step copied them already. ranks: per row of
+        logits that verifies a proposal, how many proposed tokens come before its position
+        (written after the row's tokens, in token_ids): min_tokens, bad words and penalties
+        see them as output (None: none)."""
         self._write_settings()
         rows_t = to_device(rows, self.device) if rows_t is None else rows_t
         column = dict(zip(_SETTINGS, self.settings[:, rows_t]))
@@ -279,14 +267,15 @@ class InputBatch:
         generators = {}
         if self.stop_ids_until_min or self.generators or self.bad_words:
             for i, row in enumerate(rows.tolist()):
+                end = self.num_tokens[row] + (0 if ranks is None else ranks[i])
                 stop_ids = self.stop_ids_until_min.get(row)
-                num_output = self.num_tokens[row] - self.num_prompt_tokens[row]
+                num_output = end - self.num_prompt_tokens[row]
                 if stop_ids is not None and num_output < self.min_tokens[row]:
                     banned[i] = list(stop_ids)
                 if row in self.generators:
                     generators[i] = self.generators[row]
                 if row in self.bad_words:
-                    output = self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
+                    output = self.token_ids[row, self.num_prompt_tokens[row] : end]
                     for token in _bad_word_ends(self.bad_words[row], output):
                         banned.setdefault(i, []).append(token)
         return SamplingMetadata(
@@ -299,7 +288,7 @@ class InputBatch:
             banned_token_ids=banned,
             allowed=self._allowed(rows),
             bias=self._bias(rows),
-            penalties=self._penalties(rows, rows_t, column),
+            penalties=self._penalties(rows, rows_t, column, ranks),
         )
 
     def _allowed(self, rows: np.ndarray):
@@ -327,7 +316,9 @@ class InputBatch:
             to_device(values, self.device, torch.float32),
         )
 
-    def _penalties(self, rows: np.ndarray, rows_t: torch.Tensor, column: dict) -> Penalties | None:
+    def _penalties(
+        self, rows: np.ndarray, rows_t: torch.Tensor, column: dict, ranks: np.ndarray | None
+    ) -> Penalties | None:
         if not self.penalty_rows:
             return None
         at = _positions_in(rows, self.penalty_rows)
@@ -336,12 +327,23 @@ class InputBatch:
         assert self.output_counts is not None and self.prompt_mask is not None
         at_t = to_device(at, self.device)
         index = rows_t[at_t]
+        output_counts = self.output_counts[index]  # (a copy)
+        if ranks is not None and ranks[at].any():
+            # A position after proposed tokens counts them as output too.
+            which, tokens = [], []
+            for p, (row, rank) in enumerate(zip(rows[at].tolist(), ranks[at].tolist())):
+                n = self.num_tokens[row]
+                tokens += self.token_ids[row, n : n + rank].tolist()
+                which += [p] * rank
+            one = torch.ones(1, dtype=output_counts.dtype, device=self.device)
+            where = (to_device(which, self.device), to_device(tokens, self.device))
+            output_counts.index_put_(where, one.expand(len(which)), accumulate=True)
         return Penalties(
             rows=at_t,
             presence=column["presence"][at_t].unsqueeze(1),
             frequency=column["frequency"][at_t].unsqueeze(1),
             repetition=column["repetition"][at_t].unsqueeze(1),
-            output_counts=self.output_counts[index],
+            output_counts=output_counts,
             prompt_mask=self.prompt_mask[index],
         )
 

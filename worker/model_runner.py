@@ -382,8 +382,9 @@ class ModelRunner:
         sample_rows = step.sample_rows
         try:
             input_ids = batch.token_ids[step.token_rows, step.positions]
+            ranks = None if step.num_drafts is None else ranks_within(step.num_drafts + 1)
             meta = (
-                batch.sampling_metadata(sample_rows, step.sample_rows_t)
+                batch.sampling_metadata(sample_rows, step.sample_rows_t, ranks)
                 if len(sample_rows)
                 else None
             )
@@ -478,11 +479,13 @@ class ModelRunner:
     def _propose(
         self, req_ids: list[str], sampling: list[int], rows: np.ndarray
     ) -> dict[str, list[int]]:
-        """The proposals (n-gram or draft model) for the requests that sampled and may
-        speculate."""
+        """The proposals (n-gram or draft model) for the requests that sampled. Every one
+        may speculate: the sampler adjusts each verified position's logits by what comes
+        before it, proposed tokens included (penalties, bad words, min_tokens, a grammar's
+        mask from the core)."""
         batch = self.input_batch
         assert batch is not None
-        eligible = [(i, row) for i, row in zip(sampling, rows.tolist()) if batch.may_speculate(row)]
+        eligible = list(zip(sampling, rows.tolist()))
         if not eligible:
             return {}
         at = np.array([row for _, row in eligible], dtype=np.int64)
@@ -532,8 +535,18 @@ def apply_grammar_bitmask(
     """Masks, in place, the logits of the structured-output rows down to the tokens their
     grammar allows (the core's packed bitmask: bit j of word w is token 32 * w + j)."""
     assert out.grammar_bitmask is not None
-    position = {req_id: i for i, req_id in enumerate(sampled_req_ids)}
-    pairs = [(position[r], i) for i, r in enumerate(out.grammar_req_ids) if r in position]
+    # The n-th bitmask row of a request goes to its n-th row of logits.
+    positions: dict[str, list[int]] = {}
+    for i, req_id in enumerate(sampled_req_ids):
+        positions.setdefault(req_id, []).append(i)
+    taken: dict[str, int] = {}
+    pairs = []
+    for i, r in enumerate(out.grammar_req_ids):
+        rows = positions.get(r)
+        n = taken.get(r, 0)
+        if rows is not None and n < len(rows):
+            pairs.append((rows[n], i))
+            taken[r] = n + 1
     if not pairs:
         return
     at = [p for p, _ in pairs]

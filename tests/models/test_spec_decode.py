@@ -10,14 +10,17 @@ tests/unit/test_spec_decode.py instead (their random draws differ)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import make_tiny_model
 from helpers import smollm2_prompts
-from test_async_scheduling import ENGINE, workload
+from test_async_scheduling import ENGINE, PERSON, workload
 from transformers import AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.protocol.default_model import DRAFT_MODEL
+from tokenmill.protocol.messages import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -185,3 +188,38 @@ def test_logprobs_of_accepted_tokens_equal_those_without_speculation(tiny_model)
                 if t in g:
                     assert abs(g[t].logprob - w[t].logprob) < 1e-4, (t, w[t], g[t])
                     assert g[t].rank == w[t].rank
+
+
+def test_grammar_bad_words_and_penalties_speculate_per_position(smollm2_path: str) -> None:
+    """Requests whose logits depend on the tokens before each position speculate too, each
+    verified position adjusted by the proposed tokens before it: a JSON-schema request
+    copying a record (a bitmask per position from the core; proposals the grammar forbids
+    are rejected), and passages to repeat with a bad word and with a frequency penalty.
+    Greedy: each equals its run without speculation, and proposals are accepted."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    record = '{"name":"Ada Lovelace","age":36}'
+    asks = [f"Copy this JSON record exactly:\n{record}\n{record}"] + [
+        f"Repeat this text exactly:\n\n{PASSAGE}"
+    ] * 2
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False
+        )
+        for ask in asks
+    ]
+    schema = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=schema),
+        SamplingParams(temperature=0.0, max_tokens=48, bad_words=[" the"]),
+        SamplingParams(temperature=0.0, max_tokens=48, frequency_penalty=0.4),
+    ]
+    expected, _ = run(smollm2_path, prompts, params, multiprocess=False)
+    # One at a time, so that each request's own proposals are counted.
+    for prompt, p, want in zip(prompts, params, expected):
+        actual, stats = run(smollm2_path, [prompt], [p], speculative_config=NGRAM,
+                            multiprocess=False)  # fmt: skip
+        got = actual[0].outputs[0]
+        assert got.token_ids == want.outputs[0].token_ids, (got.text, want.outputs[0].text)
+        assert stats["spec_decode_num_accepted_tokens"] > 3, (p, stats)
+        if p.structured_outputs is not None:
+            assert set(json.loads(got.text)) <= set(PERSON["properties"]), got.text
