@@ -132,6 +132,8 @@ class StructuredOutputManager:
                 if not grammar.accept_token(token):
                     break  # (the rows after this one stay all-allowed)
                 advanced += 1
+                if grammar.is_terminated():
+                    break  # a stop token: the request ends there
                 grammar.fill_next_token_bitmask(bitmask, at + advanced)
             if advanced:
                 grammar.rollback(advanced)

@@ -153,10 +153,15 @@ def test_tiny_model_draft_greedy_equals_no_speculation(
     assert stats["num_preemptions"] > 0
     assert_greedy_same(params, expected, actual)
     assert stats["spec_decode_num_drafts"] > 0, stats
-    # The target as its own draft, on the greedy requests: its argmax is the target's, so
-    # (up to float ties) every proposal is accepted. Steps with more than 3 requests
-    # running do not speculate: the draft catches up on what it missed when they resume.
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    # The target as its own draft, on the greedy requests whose logits nothing adjusts (the
+    # draft proposes plain argmaxes): its argmax is the target's, so (up to float ties)
+    # every proposal is accepted. Steps with more than 3 requests running do not
+    # speculate: the draft catches up on what it missed when they resume.
+    greedy = [
+        i
+        for i, p in enumerate(params)
+        if p.temperature == 0.0 and not p.has_penalties and not p.min_tokens
+    ]
     spec["model"] = path
     spec["disable_by_batch_size"] = 3
     actual, stats = run(
