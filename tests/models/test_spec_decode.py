@@ -195,7 +195,7 @@ def test_logprobs_of_accepted_tokens_equal_those_without_speculation(tiny_model)
                     assert g[t].rank == w[t].rank
 
 
-def test_grammar_bad_words_and_penalties_speculate_per_position(smollm2_path: str) -> None:
+def test_smollm2_grammar_bad_words_and_penalties_speculate_per_position(smollm2_path: str) -> None:
     """Requests whose logits depend on the tokens before each position speculate too, each
     verified position adjusted by the proposed tokens before it: a JSON-schema request
     copying a record (a bitmask per position from the core; proposals the grammar forbids
