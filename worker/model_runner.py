@@ -536,17 +536,11 @@ def apply_grammar_bitmask(
     grammar allows (the core's packed bitmask: bit j of word w is token 32 * w + j)."""
     assert out.grammar_bitmask is not None
     # The n-th bitmask row of a request goes to its n-th row of logits.
-    positions: dict[str, list[int]] = {}
+    rows_of: dict[str, list[int]] = {}
     for i, req_id in enumerate(sampled_req_ids):
-        positions.setdefault(req_id, []).append(i)
-    taken: dict[str, int] = {}
-    pairs = []
-    for i, r in enumerate(out.grammar_req_ids):
-        rows = positions.get(r)
-        n = taken.get(r, 0)
-        if rows is not None and n < len(rows):
-            pairs.append((rows[n], i))
-            taken[r] = n + 1
+        rows_of.setdefault(req_id, []).append(i)
+    next_row = {r: iter(rows) for r, rows in rows_of.items()}
+    pairs = [(next(next_row[r]), i) for i, r in enumerate(out.grammar_req_ids) if r in next_row]
     if not pairs:
         return
     at = [p for p, _ in pairs]

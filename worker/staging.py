@@ -53,13 +53,12 @@ class HostStaging:
         self.pinned = platform_of(device).pinned_staging
         self.dtype = dtype
         self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        self.host_itemsize = self.np_dtype.itemsize
         self.host: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
 
     def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Device tensors with the arrays' shapes and this staging's dtype (one copy)."""
-        H2D.add(sum(a.size for a in arrays) * self.host_itemsize)
+        H2D.add(sum(a.size for a in arrays) * self.np_dtype.itemsize)
         if not self.pinned:
             return [torch.from_numpy(np.ascontiguousarray(a, self.np_dtype)) for a in arrays]
         packed = self._pack(arrays)

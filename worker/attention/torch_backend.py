@@ -161,7 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
 
         prefills = []
         start = nd
-        with_context = dict((r, next(pieces)) for r, _ in prefill_blocks)
+        with_context = {r: next(pieces) for r, _ in prefill_blocks}
         for r in range(nd, len(inputs.query_lens)):
             q_len, seq_len = int(inputs.query_lens[r]), int(inputs.seq_lens[r])
             prefills.append(PrefillSpan(start, start + q_len, seq_len, with_context.get(r)))
