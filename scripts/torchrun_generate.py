@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -54,6 +55,7 @@ def main() -> None:
         skip_tokenizer_init=args.skip_tokenizer_init,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         async_scheduling=args.async_scheduling,
+        dtype=args.dtype,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     if args.skip_tokenizer_init:

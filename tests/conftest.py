@@ -104,6 +104,6 @@ def smollm2_llm(smollm2_path: str):
     """One shared in-process engine on the real SmolLM2 weights (fp32)."""
     from tokenmill import LLM
 
-    llm = LLM(smollm2_path, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+    llm = LLM(smollm2_path, max_model_len=1024, kv_cache_memory_bytes=256 << 20, dtype="float32")
     yield llm
     llm.shutdown()

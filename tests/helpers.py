@@ -112,6 +112,7 @@ def running_daemon(
         sys.executable, "-m", "tokenmill.core.daemon",
         "--model", str(model_path), "--address", address,
         "--skip-tokenizer-init", "true", "--kv-cache-memory-bytes", str(kv_cache_bytes),
+        "--dtype", "float32",  # as the in-process references it is compared with
         *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(command)

@@ -163,7 +163,7 @@ def test_reconnecting_client_survives_a_daemon_restart(tiny_model) -> None:
     path = tiny_model("llama-gqa")
     params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(20 + i, 60 + i))} for i in range(16)]
-    offline = LLM(str(path), multiprocess=False, skip_tokenizer_init=True,
+    offline = LLM(str(path), multiprocess=False, skip_tokenizer_init=True, dtype="float32",
                   kv_cache_memory_bytes=32 << 20)  # fmt: skip
     try:
         expected = [
@@ -193,7 +193,7 @@ def test_reconnecting_client_survives_a_daemon_restart(tiny_model) -> None:
         command = [
             sys.executable, "-m", "tokenmill.core.daemon", "--model", str(path),
             "--address", address, "--skip-tokenizer-init", "true",
-            "--kv-cache-memory-bytes", str(32 << 20),
+            "--kv-cache-memory-bytes", str(32 << 20), "--dtype", "float32",
         ]  # fmt: skip
         second = subprocess.Popen(command)
         try:

@@ -23,6 +23,7 @@ def tiny_llm(path, tp: int, **engine_args) -> LLM:
         multiprocess=False,  # the executor lives in this process, so tests can reach it
         tensor_parallel_size=tp,
         skip_tokenizer_init=True,
+        dtype="float32",  # TP=1 and TP=2 sum in other orders: bf16 ties would differ
         # Resolved by the core after KV sizing: the workers must get the settled value.
         max_model_len=-1,
         kv_cache_memory_bytes=32 << 20,
@@ -136,7 +137,7 @@ def smollm2_expected(smollm2_llm: LLM) -> tuple[list, list[list[int]]]:
 def test_smollm2_tp3_spawned_core_equals_tp1(smollm2_path: str, smollm2_expected) -> None:
     prompts, expected = smollm2_expected
     # 9 query heads and 3 KV heads: 3 and 1 per rank.
-    llm = LLM(smollm2_path, tensor_parallel_size=3, max_model_len=1024,
+    llm = LLM(smollm2_path, tensor_parallel_size=3, max_model_len=1024, dtype="float32",
               kv_cache_memory_bytes=256 << 20)  # fmt: skip
     try:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -26,6 +26,7 @@ PERSON = {
 }
 # Small enough that requests are preempted, chunked and share cached blocks.
 ENGINE = dict(
+    dtype="float32",  # compared across batchings: bf16's near-ties would swap
     max_model_len=336,
     num_gpu_blocks_override=22,  # 21 usable blocks of 16: one long request fills them
     block_size=16,

@@ -66,7 +66,7 @@ def test_smollm2_bf16_greedy_matches_hf_bf16_and_logprobs_stay_near_fp32(
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
     hf32 = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    near_ties = 0
+    near_ties = positions = 0
     ours_errors, hf_errors = [], []
     for prompt, output in zip(prompts, outputs):
         ours = output.outputs[0].token_ids
@@ -76,18 +76,19 @@ def test_smollm2_bf16_greedy_matches_hf_bf16_and_logprobs_stay_near_fp32(
             hf_logits = hf(ids).logits[0].float()
         hf_bf16 = hf_logits.log_softmax(-1)
         n = len(prompt)
-        ties = 0
+        positions += len(ours)
         for j, token in enumerate(ours):
             if int(hf_logits[n - 1 + j].argmax()) != token:
                 assert is_near_tie(hf_logits[n - 1 + j], token), (j, ours)
-                ties += 1
-        near_ties += ties > 0
+                near_ties += 1
         for j, entry in enumerate(output.outputs[0].logprobs):
             for token, lp in entry.items():
                 want = exact[n - 1 + j, token].item()
                 ours_errors.append(abs(lp.logprob - want))
                 hf_errors.append(abs(hf_bf16[n - 1 + j, token].item() - want))
-    assert near_ties <= len(prompts) // 2, near_ties
+    # Swaps stay rare: 5 of 176 positions on a CPU with AMX (oneDNN's bf16 GEMMs block
+    # their sums unlike HF's), at most one per prompt on one without native bf16.
+    assert near_ties <= positions // 12, (near_ties, positions)
     ours_mean = sum(ours_errors) / len(ours_errors)
     hf_mean = sum(hf_errors) / len(hf_errors)
     assert max(ours_errors) < LOGPROB_MAX, max(ours_errors)

@@ -39,6 +39,7 @@ def test_smollm2_logprobs_match_hf(smollm2_path: str) -> None:
     assert max(len(p) for p in prompts) > 64  # so that some prompt is chunked
     llm = LLM(
         smollm2_path,
+        dtype="float32",  # HF's fp32 log-probabilities are the reference
         max_model_len=1024,
         kv_cache_memory_bytes=256 << 20,
         max_num_batched_tokens=64,

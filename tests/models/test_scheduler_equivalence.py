@@ -28,7 +28,8 @@ def make_prompts(vocab: int = 49152, shared_prefix: int = 0, n: int = 16) -> lis
 
 def run(path: str, prompts: list[dict], **engine_args) -> tuple[list, dict]:
     engine_args.setdefault("kv_cache_memory_bytes", 256 << 20)
-    llm = LLM(path, max_model_len=256, **engine_args)
+    # fp32: a recomputed or differently chunked prefill rounds bf16 otherwise
+    llm = LLM(path, max_model_len=256, dtype="float32", **engine_args)
     try:
         outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
         return outputs, llm.get_stats()
@@ -77,7 +78,7 @@ def test_shared_prefix_hits_the_cache(smollm2_path: str) -> None:
 
 def test_fully_cached_prompt(smollm2_path: str) -> None:
     prompt = {"prompt_token_ids": make_prompts()[5]["prompt_token_ids"] * 4}  # 40 tokens
-    llm = LLM(smollm2_path, max_model_len=256, kv_cache_memory_bytes=256 << 20)
+    llm = LLM(smollm2_path, max_model_len=256, kv_cache_memory_bytes=256 << 20, dtype="float32")
     try:
         first = llm.generate([prompt, prompt], PARAMS, use_tqdm=False)
         later = llm.generate(prompt, PARAMS, use_tqdm=False)

@@ -27,7 +27,9 @@ def seeded_params(i: int, max_tokens: int) -> SamplingParams:
 
 
 def generate(path: str, prompts: list[list[int]], max_tokens: int, **engine_args):
-    llm = LLM(path, **engine_args)
+    # fp32: a preempted request's recomputed prefill would round bf16 otherwise (a draw
+    # near a boundary may then flip), which is not what is tested here
+    llm = LLM(path, dtype="float32", **engine_args)
     try:
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],

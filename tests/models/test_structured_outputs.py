@@ -148,7 +148,7 @@ def test_constrained_requests_survive_preemption(smollm2_path: str) -> None:
     results = []
     for blocks in (None, 24):  # ample; then 23 usable blocks for 6 requests of ~5-10 blocks
         llm = LLM(smollm2_path, max_model_len=256, kv_cache_memory_bytes=64 << 20,
-                  num_gpu_blocks_override=blocks)  # fmt: skip
+                  num_gpu_blocks_override=blocks, dtype="float32")  # fmt: skip
         try:
             outputs = llm.chat(prompts, params, use_tqdm=False)
             results.append(([o.outputs[0].text for o in outputs], llm.get_stats()))

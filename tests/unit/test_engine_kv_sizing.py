@@ -16,6 +16,7 @@ def test_max_model_len_auto_fits_the_cache(tiny_model) -> None:
     llm = LLM(
         str(tiny_model("llama-gqa")),
         skip_tokenizer_init=True,
+        dtype="float32",  # the 4-byte elements BYTES_PER_BLOCK counts
         max_model_len=-1,
         kv_cache_memory_bytes=blocks * BYTES_PER_BLOCK,
     )

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from tokenmill import LLM
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.protocol.config import EngineArgs
+from tokenmill.protocol.cpu_features import native_bf16
 from tokenmill.protocol.default_model import resolve_model
 
 TEXTS = [
@@ -101,7 +102,8 @@ def test_llm_rejects_unknown_arguments() -> None:
 @pytest.mark.slow
 def test_engine_config_defaults(smollm2_path: str) -> None:
     config = EngineArgs(model=smollm2_path, device="cpu").create_engine_config()
-    assert config.model_config.dtype == "float32"  # CPU default
+    # The CPU's default: bf16 where it multiplies bf16 natively, as vLLM's CPU backend
+    assert config.model_config.dtype == ("bfloat16" if native_bf16() else "float32")
     assert config.model_config.max_model_len == 8192
     assert config.model_config.eos_token_ids == (2,)
     assert config.model_config.num_kv_heads == 3 and config.model_config.head_size == 64
