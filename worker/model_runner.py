@@ -157,10 +157,14 @@ class ModelRunner:
         sizes = [s for s in self.config.device_config.cudagraph_capture_sizes if s <= largest]
         if not sizes:
             return
-        max_blocks = cdiv(self.config.model_config.max_model_len, self.block_size)
+        spec = self.config.speculative_config
+        verify_len = 1 if spec is None else 1 + spec.num_speculative_tokens
+        # A verify shape's padded rows read up to verify_len - 1 keys past the request's own.
+        max_len = self.config.model_config.max_model_len + verify_len - 1
         self.decode_graphs = DecodeGraphs(
-            self.model, self.attn_backend, sizes, max_blocks, self.device, capture
-        )
+            self.model, self.attn_backend, sizes, cdiv(max_len, self.block_size), self.device,
+            capture, verify_len=verify_len, max_tokens=sched.max_num_batched_tokens,
+        )  # fmt: skip
         self.decode_graphs.capture()
 
     @torch.inference_mode()
@@ -324,7 +328,7 @@ class ModelRunner:
             done[[i for i, r in enumerate(req_ids) if r in partial]] = False
         # The hidden states that give logits: each sampling request's last, and before it
         # one per proposed token it verifies.
-        num_drafts = num_drafts[done]
+        num_drafts_all, num_drafts = num_drafts, num_drafts[done]
         last_token = np.repeat(cu_query[1:][done], num_drafts + 1) - 1
         if num_drafts.any():
             last_token -= np.repeat(num_drafts, num_drafts + 1) - ranks_within(num_drafts + 1)
@@ -344,9 +348,13 @@ class ModelRunner:
             prompt_logprobs=self._prompt_logprob_chunks(rows, starts, cu_query),
             timer=timer,
         )
+        # Decodes, each with the proposals it verifies and nothing else: a captured shape.
         graphs = self.decode_graphs
-        if graphs is not None and num_decodes == total and graphs.padded_size(total) is not None:
-            step.graph_inputs = (slot_mapping, seq_lens, block_table)
+        shape = None
+        if graphs is not None and np.array_equal(query_lens, num_drafts_all + 1):
+            shape = graphs.shape_for(query_lens)
+        if shape is not None:
+            step.graph_inputs = (shape, query_lens, slot_mapping, seq_lens, block_table)
             last_token_t, step.sample_rows_t = self.staging.to_device(last_token, step.sample_rows)
             step.last_token_t = last_token_t if gather else None
         else:
@@ -400,7 +408,8 @@ class ModelRunner:
                 timer.lap("prepare")  # the copies into the graph's buffers count as forward
             if self.on_forward is not None:
                 self.on_forward()
-            hidden = graphs.run(input_ids, step.positions, *step.graph_inputs)
+            shape, query_lens, *attn = step.graph_inputs
+            hidden = graphs.run(shape, query_lens, input_ids, step.positions, *attn)
         else:
             ids_t = self.ids_staging.to_device(input_ids)[0]
             if timer is not None:
@@ -623,9 +632,9 @@ class _Step:
     num_drafts: np.ndarray | None
     prompt_logprobs: list[tuple[int, tuple[int, int], np.ndarray, int]]
     timer: _StepTimer | None
-    # Either the decode graphs' inputs (slot mapping, sequence lengths, block table), or the
-    # attention metadata and positions on the device.
-    graph_inputs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # Either the decode graphs' inputs (the captured shape, query lengths, slot mapping,
+    # sequence lengths, block table), or the attention metadata and positions on the device.
+    graph_inputs: tuple | None = None
     attn_metadata: object = None
     positions_t: torch.Tensor | None = None
     last_token_t: torch.Tensor | None = None  # rows of the hidden states that sample

@@ -51,6 +51,32 @@ def test_cuda_graphs_match_eager(tiny_model, monkeypatch) -> None:
     assert results[False] == results[True]
 
 
+def test_cuda_graphs_verify_speculative_steps(tiny_model, monkeypatch) -> None:
+    """(1 + k)-token verify steps replayed from their captured graphs (requests with fewer
+    proposals padded) give the eager run's tokens without speculation."""
+    model = str(tiny_model("llama-gqa"))
+    prompts = [{"prompt_token_ids": [5 + i] * 20} for i in range(8)]
+    prompts += [{"prompt_token_ids": p} for p in random_prompts(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3, "auto_disable": False}  # fmt: skip
+    results = {}
+    for eager in (True, False):
+        extra = {} if eager else {"speculative_config": ngram}
+        llm = in_process_llm(model, monkeypatch, dtype="float32", enforce_eager=eager, **extra)
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            if not eager:
+                graphs = runner_of(llm).decode_graphs
+                assert any(q == 4 for _, q in graphs.graphs), list(graphs.graphs)
+                assert graphs.num_verify_steps > 10, graphs.num_verify_steps
+                assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 10
+            results[eager] = [o.outputs[0].token_ids for o in outputs]
+        finally:
+            llm.shutdown()
+    assert results[False] == results[True]
+
+
 def test_bf16_logprobs_close_to_hf(tiny_model, monkeypatch) -> None:
     from transformers import AutoModelForCausalLM
 

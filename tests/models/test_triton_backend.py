@@ -40,10 +40,17 @@ def prompts(seed: int) -> list[dict]:
 
 
 def run(
-    model: str, backend: str, static_decodes: bool = False, **triton_settings
+    model: str,
+    backend: str,
+    static_decodes: bool = False,
+    batch: list[dict] | None = None,
+    engine: dict | None = None,
+    params: SamplingParams = PARAMS,
+    **triton_settings,
 ) -> tuple[list[list[int]], dict]:
     llm = LLM(
         model,
+        **(engine or {}),
         device="cuda" if torch.cuda.is_available() else "cpu",
         dtype="float32",
         enforce_eager=True,  # CUDA graphs have their own test
@@ -62,16 +69,16 @@ def run(
             setattr(runner.attn_backend, name, value)
         if static_decodes:
             # The CUDA-graph path's buffers and padding, run eagerly: decode batches of 1-4
-            # requests run padded to 2 or 4.
+            # requests run padded to 2 or 4 (cudagraph_capture_sizes).
             runner.enable_decode_graphs(capture=False)
-            runner.decode_graphs.sizes = [2, 4]
-        batch = prompts(0)
-        first = llm.generate(batch[:3], PARAMS, use_tqdm=False)
-        second = llm.generate(batch[3:], PARAMS, use_tqdm=False)  # reuses the shared prefix
+        batch = batch or prompts(0)
+        first = llm.generate(batch[:3], params, use_tqdm=False)
+        second = llm.generate(batch[3:], params, use_tqdm=False)  # reuses the shared prefix
         tokens = [o.outputs[0].token_ids for o in first + second]
         stats = llm.get_stats()
         if static_decodes:
             stats["static_decode_steps"] = runner.decode_graphs.num_steps
+            stats["static_verify_steps"] = runner.decode_graphs.num_verify_steps
         return tokens, stats
     finally:
         llm.shutdown()
@@ -99,10 +106,34 @@ def test_padded_static_decode_batches_match(tiny_model, monkeypatch) -> None:
     model = str(tiny_model("llama-gqa"))
     expected, _ = run(model, "TRITON_ATTN")
     tokens, stats = run(
-        model, "TRITON_ATTN", static_decodes=True, min_split_tokens=16, max_splits=4
-    )
+        model, "TRITON_ATTN", static_decodes=True, engine=dict(cudagraph_capture_sizes=[2, 4]),
+        min_split_tokens=16, max_splits=4,
+    )  # fmt: skip
     assert tokens == expected
     assert stats["static_decode_steps"] > 10, stats
+
+
+def test_padded_static_verify_batches_match(tiny_model, monkeypatch) -> None:
+    """Steps that verify n-gram proposals through the CUDA-graph buffers: every request
+    padded to 1 + k tokens (fewer proposals: padded rows after its own, its context
+    lengthened to keep their positions), the batch to 2 or 4 requests; greedy tokens equal
+    the torch backend's without speculation."""
+    monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")
+    model = str(tiny_model("llama-gqa"))
+    # Repeated tokens, whose continuations this model often repeats too: with one-token
+    # lookups proposals of 1 to 3 tokens are found at most steps, and some are accepted.
+    batch = [{"prompt_token_ids": [5 + i] * 20} for i in range(4)]
+    batch += [{"prompt_token_ids": [3 + (j % 2) * i for j in range(20)]} for i in (1, 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected, _ = run(model, "TORCH_SDPA", batch=batch, params=params)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3, "auto_disable": False}  # fmt: skip
+    engine = dict(cudagraph_capture_sizes=[2, 4], speculative_config=ngram)
+    tokens, stats = run(model, "TRITON_ATTN", static_decodes=True, batch=batch, engine=engine,
+                        params=params)  # fmt: skip
+    assert tokens == expected
+    assert stats["static_verify_steps"] > 10, stats
+    assert stats["spec_decode_num_accepted_tokens"] > 10, stats
 
 
 @pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
