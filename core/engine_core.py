@@ -152,6 +152,14 @@ class EngineCore:
                 )
                 continue
             request.grammar = self.structured.matcher(future.result())
+            refused = next((t for t in request.output_token_ids
+                            if not request.grammar.accept_token(t)), None)  # fmt: skip
+            if refused is not None:  # a resumed request whose outputs break its grammar
+                message = f"resumed_token_ids: token {refused} does not follow the grammar"
+                self._rejected.append(
+                    EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=message)
+                )
+                continue
             self._grammar_req_ids.add(req_id)
             self.scheduler.add_request(request)
 
@@ -165,6 +173,15 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < model.vocab_size]
         if bad:
             return f"prompt_token_ids holds ids outside [0, {model.vocab_size}): {bad[:8]}"
+        resumed = request.resumed_token_ids
+        bad = [t for t in resumed if not 0 <= t < model.vocab_size]
+        if bad:
+            return f"resumed_token_ids holds ids outside [0, {model.vocab_size}): {bad[:8]}"
+        if n + len(resumed) > model.max_model_len:
+            return (
+                f"the prompt and resumed_token_ids have {n + len(resumed)} tokens, more than "
+                f"max_model_len={model.max_model_len}"
+            )
         # A client that builds its own requests is checked too: a token id outside the
         # vocabulary would fail the whole step.
         params = request.sampling_params

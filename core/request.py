@@ -53,8 +53,9 @@ class Request:
         self.priority = request.priority
         self.prompt_token_ids = request.prompt_token_ids
         self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.all_token_ids = list(request.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # A resumed request starts with the outputs it produced elsewhere.
+        self.output_token_ids: list[int] = list(request.resumed_token_ids)
+        self.all_token_ids = request.prompt_token_ids + self.output_token_ids
         # Tokens whose K/V are in the cache (or scheduled to be written this step).
         self.num_computed_tokens = 0
         # Tokens that scheduled steps will sample but that have not arrived yet (at most one

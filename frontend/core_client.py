@@ -696,17 +696,18 @@ def _output_thread(client_ref: weakref.ref[SyncMPClient], stop: threading.Event)
 
 
 def _continuation(request: EngineCoreRequest, produced: list[int]) -> EngineCoreRequest:
-    """The rest of a request: its prompt plus what it produced, for what is left to produce."""
+    """The rest of a request, to resubmit: it resumes after what it produced (the core treats
+    those tokens as its outputs so far, as after a preemption). Its prompt logprobs, which
+    leave with the first output, are not asked for again."""
     if not produced:
         return request
     params = request.sampling_params
-    rest = msgspec.structs.replace(
-        params,
-        max_tokens=None if params.max_tokens is None else params.max_tokens - len(produced),
-        min_tokens=max(params.min_tokens - len(produced), 0),
-    )
+    if params.prompt_logprobs is not None:
+        params = msgspec.structs.replace(params, prompt_logprobs=None)
     return msgspec.structs.replace(
-        request, prompt_token_ids=request.prompt_token_ids + produced, sampling_params=rest
+        request,
+        sampling_params=params,
+        resumed_token_ids=request.resumed_token_ids + produced,
     )
 
 

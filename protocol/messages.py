@@ -264,6 +264,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_ids: list[int]
     arrival_time: float
     priority: int = 0
+    # Tokens the request already produced on an engine core that went away (resubmitted by
+    # a client): it resumes after them as a preempted request does. They count toward
+    # max_tokens, min_tokens and penalties, and its grammar is advanced through them.
+    resumed_token_ids: list[int] = []
 
 
 def check_request(request: EngineCoreRequest) -> EngineCoreRequest:

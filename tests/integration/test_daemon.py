@@ -34,7 +34,7 @@ PROMPTS = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (2, 11, 35, 90)]
 
 
 def reference(model_path) -> list[list[int]]:
-    llm = LLM(str(model_path), multiprocess=False, skip_tokenizer_init=True,
+    llm = LLM(str(model_path), multiprocess=False, skip_tokenizer_init=True, dtype="float32",
               kv_cache_memory_bytes=32 << 20)  # fmt: skip
     try:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
