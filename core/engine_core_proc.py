@@ -112,6 +112,7 @@ class EngineCoreProc:
         auth_token: str = "",
     ) -> None:
         self.auth_token = auth_token
+        self.engine_index = config.parallel_config.data_parallel_rank
         self.input_queue: queue.Queue[tuple[bytes, bytes, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[bytes, bytes, Any] | None] = queue.Queue()
         self.ctx = zmq.Context()
@@ -411,7 +412,9 @@ class EngineCoreProc:
         stats = outputs.scheduler_stats
         for identity, outs in per_client.items():
             self._send(
-                identity, OutputType.OUTPUTS, EngineCoreOutputs(outs, outputs.timestamp, stats)
+                identity,
+                OutputType.OUTPUTS,
+                EngineCoreOutputs(outs, outputs.timestamp, stats, self.engine_index),
             )
         assert self.core is not None
         now = time.monotonic()
@@ -422,7 +425,9 @@ class EngineCoreProc:
         """Sends the scheduler stats alone to every client not in `skip` (at most once a
         second while busy; always when the core goes idle)."""
         self.next_stats_broadcast = time.monotonic() + _STATS_INTERVAL_S
-        stats_only = EngineCoreOutputs([], outputs.timestamp, outputs.scheduler_stats)
+        stats_only = EngineCoreOutputs(
+            [], outputs.timestamp, outputs.scheduler_stats, self.engine_index
+        )
         for identity in self.clients:
             if identity not in skip:
                 self._send(identity, OutputType.OUTPUTS, stats_only)
@@ -517,7 +522,12 @@ def run_engine_core(
     auth_token: str = "",
 ) -> None:
     """Process entry point (spawned by a client or run by the engine-core daemon)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
+    parallel = config.parallel_config
+    # A data-parallel rank says which one it is in every line (its stats line included).
+    name = "engine-core" if parallel.data_parallel_size == 1 else (
+        f"engine-core-dp{parallel.data_parallel_rank}"
+    )  # fmt: skip
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
 
     def terminate(*_: Any) -> None:
         raise SystemExit(0)  # unwinds the engine loop into the shutdown below

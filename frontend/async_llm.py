@@ -59,7 +59,12 @@ class AsyncLLM:
         if engine_address is None:
             config = EngineArgs(model=model, **kwargs).create_engine_config()
             tokenizer = preload_tokenizer(config, multiprocess=True)
-            self.client = AsyncMPClient(config)
+            if config.parallel_config.data_parallel_size > 1:
+                from tokenmill.frontend.dp_client import AsyncDPClient
+
+                self.client = AsyncDPClient(config)
+            else:
+                self.client = AsyncMPClient(config)
         else:
             if kwargs:
                 raise TypeError(
@@ -275,6 +280,11 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
+
+    def data_parallel_status(self) -> dict[str, Any] | None:
+        """Each data-parallel rank's state and the failover counts (None without DP)."""
+        status = getattr(self.client, "data_parallel_status", None)
+        return status() if status is not None else None
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -85,6 +85,15 @@ class EngineCoreClient(ABC):
         if engine_address is not None:
             return SyncMPClient(None, engine_address, auth_token, reconnect)
         assert config is not None
+        if config.parallel_config.data_parallel_size > 1:
+            if not multiprocess:
+                raise ValueError(
+                    "data_parallel_size > 1 runs an engine-core process per rank; it cannot "
+                    "run with multiprocess=False"
+                )
+            from tokenmill.frontend.dp_client import DPClient
+
+            return DPClient(config)
         return SyncMPClient(config) if multiprocess else InprocClient(config)
 
     @abstractmethod
@@ -156,7 +165,9 @@ class MPClient:
         engine_address: str | None = None,
         auth_token: str = "",
         asyncio_mode: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`env`: the spawned core's environment (default: this process's)."""
         self.proc: subprocess.Popen | None = None
         self.auth_token = auth_token
         self.ipc_dir: str | None = None
@@ -165,7 +176,7 @@ class MPClient:
             self.ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")  # private: mode 0700
             input_address = f"ipc://{self.ipc_dir}/input"
             output_address = f"ipc://{self.ipc_dir}/output"
-            self.proc = _spawn_core(config, input_address, output_address)
+            self.proc = _spawn_core(config, input_address, output_address, env)
             timeout = STARTUP_TIMEOUT_S
         else:
             input_address, output_address = split_address(engine_address)
@@ -385,12 +396,13 @@ class SyncMPClient(MPClient, EngineCoreClient):
         engine_address: str | None = None,
         auth_token: str = "",
         reconnect: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.reconnect = reconnect and engine_address is not None
         self.in_flight: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
         self.outputs: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
         self.utility_results: dict[int, queue.Queue[UtilityResult | BaseException]] = {}
-        super().__init__(config, engine_address, auth_token)
+        super().__init__(config, engine_address, auth_token, env=env)
         self._poller = zmq.Poller()
         self._poller.register(self.output_socket, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
@@ -423,7 +435,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
             lost = self._on_audit(message)
             if lost is not None:
                 self._track(lost)
-                self.outputs.put(lost)
+                self._deliver(lost)
         elif isinstance(message, UtilityResult):
             waiter = self.utility_results.get(message.call_id)
             if waiter is not None:
@@ -433,8 +445,12 @@ class SyncMPClient(MPClient, EngineCoreClient):
         elif message is not None:
             self._finished(message)
             self._track(message)
-            self.outputs.put(message)
+            self._deliver(message)
         return True
+
+    def _deliver(self, item: EngineCoreOutputs | BaseException) -> None:
+        """Hands outputs (or the error that ends them all) to get_output's callers."""
+        self.outputs.put(item)
 
     def _track(self, outputs: EngineCoreOutputs) -> None:
         """Remembers what unfinished requests produced, to resubmit them after a restart."""
@@ -467,7 +483,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
                 continue
             with self.send_lock:
                 resubmitted = [
-                    _continuation(req, produced) for req, produced in self.in_flight.values()
+                    continuation(req, produced) for req, produced in self.in_flight.values()
                 ]
                 self.in_flight = {r.request_id: (r, []) for r in resubmitted}
                 self.audits.clear()  # asked of the core that went away: never answered
@@ -480,7 +496,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
     def _die(self, reason: str) -> None:
         super()._die(reason)
         error = EngineDeadError(reason)
-        self.outputs.put(error)
+        self._deliver(error)
         for waiter in list(self.utility_results.values()):
             waiter.put(error)
 
@@ -502,14 +518,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         """The next step's outputs; None if `timeout` seconds pass without any."""
         self._check_alive()
-        try:
-            result = self.outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(result, BaseException):
-            self.outputs.put(result)  # every later call fails the same way
-            raise result
-        return result
+        return take_output(self.outputs, timeout)
 
     def call_utility(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> Any:
         call_id = next(self.call_ids)
@@ -545,13 +554,17 @@ class AsyncMPClient(MPClient):
     (or with no loop running)."""
 
     def __init__(
-        self, config: EngineConfig | None, engine_address: str | None = None, auth_token: str = ""
+        self,
+        config: EngineConfig | None,
+        engine_address: str | None = None,
+        auth_token: str = "",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self.utility_futures: dict[int, asyncio.Future] = {}
         self.tasks: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None
-        super().__init__(config, engine_address, auth_token, asyncio_mode=True)
+        super().__init__(config, engine_address, auth_token, asyncio_mode=True, env=env)
         self._start_thread(_heartbeat_thread, "async-mp-client-heartbeat")
 
     def _ensure_started(self) -> None:
@@ -565,7 +578,7 @@ class AsyncMPClient(MPClient):
         self.loop = loop
         self.outputs = asyncio.Queue()
         if self.dead is not None:
-            self.outputs.put_nowait(EngineDeadError(self.dead))
+            self._deliver(EngineDeadError(self.dead))
             return
         self.tasks = [
             loop.create_task(self._guard(self._receive_loop()), name="async-mp-client-receive"),
@@ -598,13 +611,12 @@ class AsyncMPClient(MPClient):
                 self._die(f"lost the connection to the engine core at {self.address}")
 
     def _on_message(self, message: Any) -> None:
-        assert self.outputs is not None
         if isinstance(message, EngineDead):
             self._die(f"the engine core died: {message.cause}")
         elif isinstance(message, UtilityResult) and message.call_id in self.audits:
             lost = self._on_audit(message)
             if lost is not None:
-                self.outputs.put_nowait(lost)
+                self._deliver(lost)
         elif isinstance(message, UtilityResult):
             future = self.utility_futures.get(message.call_id)
             if future is not None and not future.done():
@@ -613,7 +625,12 @@ class AsyncMPClient(MPClient):
             self._on_refused(message)
         elif message is not None:
             self._finished(message)
-            self.outputs.put_nowait(message)
+            self._deliver(message)
+
+    def _deliver(self, item: EngineCoreOutputs | BaseException) -> None:
+        """Hands outputs (or the error that ends them all) to get_output_async's callers."""
+        if self.outputs is not None:
+            self.outputs.put_nowait(item)
 
     async def _watch_process(self) -> None:
         while self.dead is None and not self._process_died():
@@ -624,8 +641,7 @@ class AsyncMPClient(MPClient):
             return
         super()._die(reason)
         error = EngineDeadError(reason)
-        if self.outputs is not None:
-            self.outputs.put_nowait(error)
+        self._deliver(error)
         for future in self.utility_futures.values():
             if not future.done():
                 future.set_exception(error)
@@ -635,11 +651,7 @@ class AsyncMPClient(MPClient):
         gone."""
         self._ensure_started()
         assert self.outputs is not None
-        result = await self.outputs.get()
-        if isinstance(result, BaseException):
-            self.outputs.put_nowait(result)  # every later call fails the same way
-            raise result
-        return result
+        return await take_output_async(self.outputs)
 
     async def call_utility_async(
         self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S
@@ -695,7 +707,33 @@ def _output_thread(client_ref: weakref.ref[SyncMPClient], stop: threading.Event)
         del client
 
 
-def _continuation(request: EngineCoreRequest, produced: list[int]) -> EngineCoreRequest:
+def take_output(
+    outputs: queue.Queue[EngineCoreOutputs | BaseException], timeout: float | None
+) -> EngineCoreOutputs | None:
+    """The next outputs from a client's queue (None after `timeout` s); an error in it is
+    raised, and left there so that every later call fails the same way."""
+    try:
+        result = outputs.get(timeout=timeout)
+    except queue.Empty:
+        return None
+    if isinstance(result, BaseException):
+        outputs.put(result)
+        raise result
+    return result
+
+
+async def take_output_async(
+    outputs: asyncio.Queue[EngineCoreOutputs | BaseException],
+) -> EngineCoreOutputs:
+    """take_output for an asyncio queue (no timeout: the caller cancels)."""
+    result = await outputs.get()
+    if isinstance(result, BaseException):
+        outputs.put_nowait(result)
+        raise result
+    return result
+
+
+def continuation(request: EngineCoreRequest, produced: list[int]) -> EngineCoreRequest:
     """The rest of a request, to resubmit: it resumes after what it produced (the core treats
     those tokens as its outputs so far, as after a preemption). Its prompt logprobs, which
     leave with the first output, are not asked for again."""
@@ -711,7 +749,9 @@ def _continuation(request: EngineCoreRequest, produced: list[int]) -> EngineCore
     )
 
 
-def _spawn_core(config: EngineConfig, input_address: str, output_address: str) -> subprocess.Popen:
+def _spawn_core(
+    config: EngineConfig, input_address: str, output_address: str, env: dict[str, str] | None
+) -> subprocess.Popen:
     # A fresh interpreter running the core's module: unlike multiprocessing's spawn it never
     # re-imports the caller's __main__.
     args = [
@@ -719,7 +759,7 @@ def _spawn_core(config: EngineConfig, input_address: str, output_address: str) -
         f"--output-address={output_address}",
         f"--parent-pid={os.getpid()}",
     ]
-    return start_module("tokenmill.core.engine_core_proc", args, config)
+    return start_module("tokenmill.core.engine_core_proc", args, config, env)
 
 
 def _shutdown(

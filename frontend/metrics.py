@@ -1,7 +1,8 @@
 """Serving metrics in Prometheus form, under vLLM's names with a `tokenmill:` prefix.
 
 `PrometheusStatLogger` is fed by AsyncLLM: every message from the core carries the
-scheduler's stats (gauges, and running totals that become counters here), and every output
+scheduler's stats (gauges, and running totals that become counters here, labelled by the
+`engine` that sent them, as vLLM labels its data-parallel ranks), and every output
 token updates the request's latencies (time to first token, inter-token latency, time per
 output token, end-to-end latency, queue time in the core, and the prefill / decode /
 inference phases, timed here from the core's queue time: the first step is taken to start
@@ -62,25 +63,50 @@ class PrometheusStatLogger:
             metric = Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
             return metric.labels(model_name)
 
-        self.running = gauge("num_requests_running", "Requests in the engine's running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
-        self.prefix_queries = counter(
+        # The scheduler's figures, per engine core (a data-parallel rank; "0" without DP).
+        per_engine = ["model_name", "engine"]
+
+        def engine_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, per_engine, registry=self.registry)
+
+        def engine_counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, per_engine, registry=self.registry)
+
+        self.running = engine_gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = engine_gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = engine_gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)."
+        )
+        self.prefix_queries = engine_counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
-        self.spec_drafts = counter(
+        self.prefix_hits = engine_counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.preemptions = engine_counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.spec_drafts = engine_counter(
             "spec_decode_num_drafts", "Request steps that verified a speculative proposal."
         )
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self.spec_draft_tokens = engine_counter("spec_decode_num_draft_tokens", "Tokens proposed.")
+        self.spec_accepted = engine_counter(
+            "spec_decode_num_accepted_tokens", "Proposed tokens accepted."
+        )
         self._spec_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Proposed tokens accepted, by position in the proposal.",
-            ["model_name", "position"],
+            [*per_engine, "position"],
             registry=self.registry,
         )
+        # Data parallelism (set from the client's state at each scrape).
+        self.engine_up = engine_gauge("engine_up", "1 while the engine core serves, else 0.")
+        self.rank_failures = counter(
+            "data_parallel_rank_failures", "Data-parallel ranks lost (core or worker death)."
+        )
+        self.resubmitted = counter(
+            "data_parallel_resubmitted_requests",
+            "Requests moved to another rank when theirs was lost.",
+        )
+        self._dp_counts = (0, 0)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests started.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram(
@@ -148,7 +174,7 @@ class PrometheusStatLogger:
             "event_loop_lag_max_seconds", "The longest event-loop stall since start."
         )
         self._max_lag = 0.0
-        self._totals = SchedulerStats()
+        self._totals: dict[int, SchedulerStats] = {}  # per engine, as last sent
         self._requests: dict[str, _RequestTimes] = {}
 
     def set_cache_config(self, cache: dict[str, str]) -> None:
@@ -190,7 +216,7 @@ class PrometheusStatLogger:
     def on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()
         if outputs.scheduler_stats is not None:
-            self._record_scheduler(outputs.scheduler_stats)
+            self._record_scheduler(outputs.scheduler_stats, outputs.engine_index)
         step_tokens = 0
         for out in outputs.outputs:
             times = self._requests.get(out.request_id)
@@ -239,30 +265,50 @@ class PrometheusStatLogger:
             self._max_lag = seconds
             self.loop_lag_max.set(seconds)
 
-    def _record_scheduler(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
+    def set_data_parallel(self, status: dict | None) -> None:
+        """Each rank up or down, and the failover counts (the DP client's status)."""
+        if status is None:
+            return
+        for rank in status["ranks"]:
+            self.engine_up.labels(self.model_name, str(rank["rank"])).set(rank["state"] == "up")
+        failures, resubmitted = status["rank_failures"], status["resubmitted_requests"]
+        self.rank_failures.inc(failures - self._dp_counts[0])
+        self.resubmitted.inc(resubmitted - self._dp_counts[1])
+        self._dp_counts = (failures, resubmitted)
+
+    def _record_scheduler(self, stats: SchedulerStats, engine: int = 0) -> None:
+        labels = (self.model_name, str(engine))
+        self.running.labels(*labels).set(stats.num_running)
+        self.waiting.labels(*labels).set(stats.num_waiting)
+        self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
         # The core sends running totals; counters take what is new since the last message
         # (a daemon's totals from before this frontend attached count too).
-        last = self._totals
+        last = self._totals.get(engine, SchedulerStats())
         for counter, now, before in (
-            (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
-            (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
-            (self.preemptions, stats.num_preemptions, last.num_preemptions),
-            (self.spec_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
             (
-                self.spec_draft_tokens,
+                self.prefix_queries.labels(*labels),
+                stats.prefix_cache_queries,
+                last.prefix_cache_queries,
+            ),
+            (self.prefix_hits.labels(*labels), stats.prefix_cache_hits, last.prefix_cache_hits),
+            (self.preemptions.labels(*labels), stats.num_preemptions, last.num_preemptions),
+            (
+                self.spec_drafts.labels(*labels),
+                stats.spec_decode_num_drafts,
+                last.spec_decode_num_drafts,
+            ),
+            (
+                self.spec_draft_tokens.labels(*labels),
                 stats.spec_decode_num_draft_tokens,
                 last.spec_decode_num_draft_tokens,
             ),
             (
-                self.spec_accepted,
+                self.spec_accepted.labels(*labels),
                 stats.spec_decode_num_accepted_tokens,
                 last.spec_decode_num_accepted_tokens,
             ),
             *(
-                (self._spec_per_pos.labels(self.model_name, str(pos)), now, before)
+                (self._spec_per_pos.labels(*labels, str(pos)), now, before)
                 for pos, (now, before) in enumerate(
                     zip(
                         stats.spec_decode_num_accepted_tokens_per_pos,
@@ -276,4 +322,4 @@ class PrometheusStatLogger:
                 counter.inc(now - before)
             elif now < before:  # a restarted daemon counts from zero again
                 counter.inc(now)
-        self._totals = stats
+        self._totals[engine] = stats

@@ -140,8 +140,28 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor parallelism inside one engine core (its workers), and data parallelism across
+    engine cores behind one frontend (each DP rank a whole engine with its own TP group).
+
+    data_parallel_size_local: the DP ranks the frontend starts itself (default: all); the
+    others are headless `engine-core` daemons on other hosts that join through
+    data_parallel_address:data_parallel_rpc_port. data_parallel_routing: "prefix" sends a
+    request to the rank that already holds most of its prompt's blocks unless that rank's
+    load exceeds the least loaded one's by more than data_parallel_prefix_margin; "load"
+    routes by load alone (vLLM's). data_parallel_rank: which rank this engine core is (set
+    by whoever starts it; it names the rank in logs and in the frontend's handshake)."""
+
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # None | "uni" | "mp" | "external_launcher"
+    # None | "uni" | "mp" | "ray" | "external_launcher"
+    distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None  # None: all of them
+    data_parallel_backend: str = "mp"  # "mp" (processes here) | "ray" (actors on a cluster)
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0  # 0: none (every rank is local)
+    data_parallel_routing: str = "prefix"
+    data_parallel_prefix_margin: int = 8
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         _check(
@@ -150,13 +170,42 @@ class ParallelConfig:
             self.tensor_parallel_size,
             "at least 1",
         )
-        backends = (None, "uni", "mp", "external_launcher")
+        backends = (None, "uni", "mp", "ray", "external_launcher")
         _check(
             self.distributed_executor_backend in backends,
             "distributed_executor_backend",
             self.distributed_executor_backend,
             f"one of {backends}",
         )
+        dp = self.data_parallel_size
+        _check(dp >= 1, "data_parallel_size", dp, "at least 1")
+        local = self.data_parallel_size_local
+        _check(local is None or 0 <= local <= dp, "data_parallel_size_local", local,
+               f"between 0 and data_parallel_size ({dp})")  # fmt: skip
+        _check(self.data_parallel_backend in ("mp", "ray"), "data_parallel_backend",
+               self.data_parallel_backend, '"mp" or "ray"')  # fmt: skip
+        _check(self.data_parallel_routing in ("prefix", "load"), "data_parallel_routing",
+               self.data_parallel_routing, '"prefix" or "load"')  # fmt: skip
+        _check(self.data_parallel_prefix_margin >= 0, "data_parallel_prefix_margin",
+               self.data_parallel_prefix_margin, "at least 0")  # fmt: skip
+        _check(0 <= self.data_parallel_rpc_port < 65536, "data_parallel_rpc_port",
+               self.data_parallel_rpc_port, "a port number (0: none)")  # fmt: skip
+        remote = dp - self.num_local_dp_ranks
+        why = f"the port headless ranks join on ({remote} of {dp} ranks are not local)"
+        _check(remote == 0 or self.data_parallel_rpc_port > 0, "data_parallel_rpc_port",
+               self.data_parallel_rpc_port, why)  # fmt: skip
+        _check(0 <= self.data_parallel_rank < dp, "data_parallel_rank", self.data_parallel_rank,
+               f"below data_parallel_size ({dp})")  # fmt: skip
+        if self.data_parallel_backend == "ray":
+            _check(local is None or local == dp, "data_parallel_size_local", local,
+                   "unset with data_parallel_backend='ray' (Ray places every rank)")  # fmt: skip
+
+    @property
+    def num_local_dp_ranks(self) -> int:
+        """DP ranks on this host (a frontend's own, or a headless host's)."""
+        if self.data_parallel_size_local is None:
+            return self.data_parallel_size
+        return self.data_parallel_size_local
 
 
 ATTENTION_BACKENDS = ("TORCH_SDPA", "TRITON_ATTN")  # vLLM's names
@@ -281,6 +330,13 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_backend: str = "mp"
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0
+    data_parallel_routing: str = "prefix"
+    data_parallel_prefix_margin: int = 8
     load_format: str = "auto"
     device: str = "auto"
     attention_backend: str | None = None  # None: TRITON_ATTN on CUDA, TORCH_SDPA on the CPU
@@ -379,6 +435,13 @@ def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_size_local=args.data_parallel_size_local,
+        data_parallel_backend=args.data_parallel_backend,
+        data_parallel_address=args.data_parallel_address,
+        data_parallel_rpc_port=args.data_parallel_rpc_port,
+        data_parallel_routing=args.data_parallel_routing,
+        data_parallel_prefix_margin=args.data_parallel_prefix_margin,
     )
     tp = parallel.tensor_parallel_size
     heads, kv_heads = model.num_attention_heads, model.num_kv_heads
@@ -584,7 +647,20 @@ ENGINE_ARG_HELP = {
     "kv_cache_memory_bytes": "bytes for the KV cache instead of the memory fraction",
     "gpu_memory_utilization": "fraction of device memory the engine may use",
     "tensor_parallel_size": "ranks the model is sharded across",
-    "distributed_executor_backend": "uni, mp or external_launcher (torchrun)",
+    "distributed_executor_backend": "uni, mp, ray (workers as Ray actors, across nodes) or "
+    "external_launcher (torchrun)",
+    "data_parallel_size": "engine cores (each with its own tensor-parallel workers) behind one "
+    "frontend",
+    "data_parallel_size_local": "DP ranks started here (default all); the rest are headless "
+    "engine-core daemons that join through --data-parallel-address/--data-parallel-rpc-port",
+    "data_parallel_backend": "mp (engine-core processes here) or ray (Ray actors placed across "
+    "the cluster, restarted when lost)",
+    "data_parallel_address": "the host headless DP ranks reach the frontend on",
+    "data_parallel_rpc_port": "the port headless DP ranks join on (authenticated unless loopback)",
+    "data_parallel_routing": "prefix (to the rank holding most of the prompt's blocks, within "
+    "the margin) or load (waiting x 4 + running, as vLLM)",
+    "data_parallel_prefix_margin": "how much more loaded (waiting x 4 + running) than the least "
+    "loaded rank a prefix-holding rank may be and still get the request",
     "load_format": "auto (the checkpoint) or dummy (random weights)",
     "device": "auto, cpu or cuda",
     "attention_backend": "TRITON_ATTN or TORCH_SDPA (default by device)",

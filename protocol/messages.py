@@ -377,6 +377,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
     scheduler_stats: Optional[SchedulerStats] = None
+    engine_index: int = 0  # the data-parallel rank of the core that sent them
 
 
 # ---------------------------------------------------------------- engine-core process wire

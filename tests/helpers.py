@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import psutil
 
+from tokenmill.protocol.messages import SamplingParams, StructuredOutputsParams
 from tokenmill.protocol.process import stop_processes
 
 # How soon a failure must reach the user in these tests. On a quiet machine the engine
@@ -188,6 +189,7 @@ def running_server(
         sys.executable, "-m", "tokenmill.frontend.server", str(model_path),
         "--port", str(port), "--served-model-name", "smollm2", "--disable-access-log",
         "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20),
+        "--dtype", "float32",  # as the in-process references it is compared with
         *(["--api-key", api_key] if api_key else []), *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(command)
@@ -302,3 +304,63 @@ def raw_core_client(address: str, identity: bytes = b"rawclien") -> Iterator[Raw
         yield client
     finally:
         client.close()
+
+
+# ------------------------------------------------------------ a mixed workload
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def workload(base: list[list[int]], text: bool) -> tuple[list[dict], list[SamplingParams]]:
+    """Every feature once or more. `text`: the model has a tokenizer (stop strings and a
+    JSON schema need one)."""
+    greedy = dict(temperature=0.0)
+    prompts, params = [], []
+
+    def add(tokens: list[int], **kwargs) -> None:
+        prompts.append({"prompt_token_ids": tokens})
+        params.append(SamplingParams(**kwargs))
+
+    for i, tokens in enumerate(base):  # EOS and length endings, 1 to 40 tokens
+        add(tokens, max_tokens=(1, 2, 7, 24, 40)[i % 5], **greedy)
+    shared = base[-1] + base[-2]  # 2 copies of a long prompt and 2 extensions: prefix hits
+    add(shared, max_tokens=12, **greedy)
+    add(shared, max_tokens=12, **greedy)
+    add(shared + base[0], max_tokens=12, **greedy)
+    add(shared + base[1], max_tokens=12, ignore_eos=True, **greedy)
+    add(base[2], max_tokens=16, logprobs=3, prompt_logprobs=2, **greedy)
+    add(base[3], max_tokens=20, presence_penalty=0.5, frequency_penalty=0.3,
+        repetition_penalty=1.2, **greedy)  # fmt: skip
+    add(base[4], max_tokens=16, temperature=0.9, seed=1234, logprobs=2)
+    add(base[5], max_tokens=16, n=2, temperature=0.8, seed=7)
+    # Any token but those of special meaning stops it, once min_tokens are out.
+    add(base[6], max_tokens=16, min_tokens=6, stop_token_ids=list(range(3, 480)), **greedy)
+    if text:
+        add(base[0], max_tokens=48, stop=[".", "\n"], **greedy)
+        add(base[1], max_tokens=48, stop=[" the"], include_stop_str_in_output=True, **greedy)
+        schema = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+        add(base[0], max_tokens=60, structured_outputs=schema, **greedy)
+    return prompts, params
+
+
+def assert_same(expected: list, actual: list) -> None:
+    assert len(actual) == len(expected)
+    for want, got in zip(expected, actual):
+        assert len(got.outputs) == len(want.outputs)
+        for a, b in zip(want.outputs, got.outputs):
+            assert b.token_ids == a.token_ids, (want.request_id, a.token_ids, b.token_ids)
+            assert (b.text, b.finish_reason, b.stop_reason) == (a.text, a.finish_reason,
+                                                                a.stop_reason)  # fmt: skip
+            assert (a.logprobs is None) == (b.logprobs is None)
+            for pa, pb in zip(a.logprobs or [], b.logprobs or []):
+                assert pa.keys() == pb.keys()
+                for token in pa:
+                    assert abs(pa[token].logprob - pb[token].logprob) < 1e-4
+        assert (want.prompt_logprobs is None) == (got.prompt_logprobs is None)
+        for pa, pb in zip(want.prompt_logprobs or [], got.prompt_logprobs or []):
+            assert (pa is None) == (pb is None)
+            if pa is not None:
+                assert pa.keys() == pb.keys()

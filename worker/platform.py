@@ -78,7 +78,7 @@ class Platform:
 
     def kv_cache_budget(
         self, cache: CacheConfig, device: torch.device, local_world_size: int,
-        profile: Callable[[], None],
+        profile: Callable[[], None], engines_on_host: int = 1,
     ) -> int:  # fmt: skip
         """Bytes this rank can give to its KV cache; profile() runs the largest step."""
         raise NotImplementedError
@@ -131,19 +131,23 @@ class CpuPlatform(Platform):
 
     def kv_cache_budget(
         self, cache: CacheConfig, device: torch.device, local_world_size: int,
-        profile: Callable[[], None],
+        profile: Callable[[], None], engines_on_host: int = 1,
     ) -> int:  # fmt: skip
-        """The host's budget, `kv_cache_memory_bytes` or else TOKENMILL_CPU_KVCACHE_SPACE
-        GiB (default 4, as vLLM's CPU backend) but at most TOKENMILL_CPU_KV_FRACTION (default
-        0.25) of the RAM psutil reports available, split evenly among the ranks on this
-        host."""
+        """The engine's budget, `kv_cache_memory_bytes`, split evenly among its TP ranks on
+        this host. By default the host's: TOKENMILL_CPU_KVCACHE_SPACE GiB (default 4, as
+        vLLM's CPU backend) but at most TOKENMILL_CPU_KV_FRACTION (default 0.25) of the RAM
+        psutil reports available, shared by the engines (data-parallel ranks) on this host
+        too."""
         budget = cache.kv_cache_memory_bytes
         if budget is None:
-            budget = int(
-                min(
-                    envs.TOKENMILL_CPU_KVCACHE_SPACE * (1 << 30),
-                    psutil.virtual_memory().available * envs.TOKENMILL_CPU_KV_FRACTION,
+            budget = (
+                int(
+                    min(
+                        envs.TOKENMILL_CPU_KVCACHE_SPACE * (1 << 30),
+                        psutil.virtual_memory().available * envs.TOKENMILL_CPU_KV_FRACTION,
+                    )
                 )
+                // engines_on_host
             )
         return budget // local_world_size
 
@@ -170,7 +174,7 @@ class CudaPlatform(Platform):
 
     def kv_cache_budget(
         self, cache: CacheConfig, device: torch.device, local_world_size: int,
-        profile: Callable[[], None],
+        profile: Callable[[], None], engines_on_host: int = 1,
     ) -> int:  # fmt: skip
         """Per GPU, as in vLLM: `kv_cache_memory_bytes`, else profile the largest step and
         take `total * gpu_memory_utilization` minus the peak torch allocation (weights +

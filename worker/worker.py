@@ -60,7 +60,9 @@ class Worker:
 
     def init_device(self) -> None:
         self.device = self.platform.device(self.local_rank)
-        self.platform.init_process(self.device, self.local_world_size)
+        # The host's cores are shared by every rank of every engine (DP rank) on it.
+        engines = self.config.parallel_config.num_local_dp_ranks
+        self.platform.init_process(self.device, self.local_world_size * engines)
         world_size = self.config.parallel_config.tensor_parallel_size
         if world_size > 1:
             init_distributed(
@@ -88,6 +90,7 @@ class Worker:
             self.device,
             self.local_world_size,
             lambda: runner.on_device(runner.profile_run),
+            self.config.parallel_config.num_local_dp_ranks,
         )
 
     def initialize_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:

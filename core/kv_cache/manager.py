@@ -11,8 +11,8 @@ before it attends.
 from __future__ import annotations
 
 from tokenmill.core.kv_cache.block_pool import BlockPool, KVCacheBlock
-from tokenmill.core.kv_cache.hashing import extend_block_hashes
 from tokenmill.core.request import Request
+from tokenmill.protocol.hashing import extend_block_hashes
 from tokenmill.protocol.utils import cdiv
 
 

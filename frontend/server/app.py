@@ -126,13 +126,20 @@ def build_app(
     # --------------------------------------------------------------- endpoints
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine serves (empty, as vLLM's), 503 once it cannot. With data
+        parallelism the body lists every rank's state, and says "degraded" while some rank
+        is down (the others still serve)."""
         if engine.dead is not None:
             return Response(status_code=503)
         try:
             await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
         except Exception:
             return Response(status_code=503)
-        return Response(status_code=200)
+        status = engine.data_parallel_status()
+        if status is None:
+            return Response(status_code=200)
+        state = "ok" if status["ranks_up"] == status["size"] else "degraded"
+        return JSONResponse({"status": state, "data_parallel": status})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -226,6 +233,8 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         registry = stat_logger.registry if stat_logger is not None else None
+        if stat_logger is not None:
+            stat_logger.set_data_parallel(engine.data_parallel_status())
         body = generate_latest(registry) if registry is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from helpers import PERSON
 from transformers import AutoTokenizer
 
 from tokenmill import LLM
@@ -16,12 +17,6 @@ from tokenmill.protocol.messages import (
     SamplingParams,
     StructuredOutputsParams,
 )
-
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-}
 
 
 def run_core(core, requests: list[EngineCoreRequest]) -> dict[str, tuple[list[int], str]]:

@@ -14,8 +14,8 @@ import json
 
 import pytest
 from conftest import make_tiny_model
-from helpers import smollm2_prompts
-from test_async_scheduling import ENGINE, PERSON, workload
+from helpers import PERSON, smollm2_prompts, workload
+from test_async_scheduling import ENGINE
 from transformers import AutoTokenizer
 
 from tokenmill import LLM, SamplingParams

@@ -313,8 +313,9 @@ def test_spec_decode_counters_reach_prometheus() -> None:
     logger.on_outputs(stats(2, 6, 3, [2, 1, 0]))
     logger.on_outputs(stats(5, 15, 9, [5, 3, 1]))  # running totals: counters take the news
     value = logger.registry.get_sample_value
-    assert value("tokenmill:spec_decode_num_drafts_total", {"model_name": "m"}) == 5
-    assert value("tokenmill:spec_decode_num_draft_tokens_total", {"model_name": "m"}) == 15
-    assert value("tokenmill:spec_decode_num_accepted_tokens_total", {"model_name": "m"}) == 9
+    labels = {"model_name": "m", "engine": "0"}
+    assert value("tokenmill:spec_decode_num_drafts_total", labels) == 5
+    assert value("tokenmill:spec_decode_num_draft_tokens_total", labels) == 15
+    assert value("tokenmill:spec_decode_num_accepted_tokens_total", labels) == 9
     per_pos = "tokenmill:spec_decode_num_accepted_tokens_per_pos_total"
-    assert [value(per_pos, {"model_name": "m", "position": str(p)}) for p in range(3)] == [5, 3, 1]
+    assert [value(per_pos, {**labels, "position": str(p)}) for p in range(3)] == [5, 3, 1]

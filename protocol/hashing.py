@@ -4,7 +4,8 @@ hash(block i) = xxh3_128(hash(block i-1) || token ids of block i || extra keys),
 hashes mean equal whole prefixes, not just equal blocks. The chain starts from a root value
 that is random per process unless PYTHONHASHSEED pins it (then runs and processes agree).
 Only full blocks get a hash. Called by the KVCacheManager, which extends a request's hashes
-as its tokens grow.
+as its tokens grow, and by the data-parallel client, which keeps its own record of the
+prefixes each rank was sent (its keys need not equal the cores': each process has its root).
 """
 
 from __future__ import annotations

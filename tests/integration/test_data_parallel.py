@@ -1,0 +1,293 @@
+"""Data parallelism with engine-core processes (data_parallel_size=2): the same outputs as one
+engine through LLM, AsyncLLM and the server, whatever the routing; and a rank lost under
+load (its core killed, or one of its workers) costs no request: every one finishes equal to
+an uninterrupted run, streams show no repeated or missing text, the other rank keeps
+serving, and /health and /metrics say which rank is down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import openai
+import psutil
+import pytest
+from helpers import assert_same, httpx, running_server, smollm2_prompts, workload
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from tokenmill import LLM, AsyncLLM, SamplingParams
+from tokenmill.frontend.dp_router import PrefixRecord, RankLoad, Router
+from tokenmill.protocol.messages import SchedulerStats
+
+pytestmark = pytest.mark.slow
+
+# fp32: ranks batch the requests otherwise than one engine, and bf16's near-ties would swap.
+ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=128 << 20)
+
+
+@pytest.fixture(scope="module")
+def mixed(smollm2_path: str):
+    """32 mixed requests (every sampling feature of the async tests, stop strings and a JSON
+    schema included) and one engine's outputs for them."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    chats = smollm2_prompts(tokenizer)
+    base = [chats[i % len(chats)][: len(chats[i % len(chats)]) - i // len(chats)]
+            for i in range(20)]  # fmt: skip
+    prompts, params = workload(base, text=True)
+    assert len(prompts) == 32
+    llm = LLM(smollm2_path, **ENGINE)
+    try:
+        expected = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return prompts, params, expected
+
+
+def test_llm_dp2_equals_one_engine(smollm2_path: str, mixed) -> None:
+    prompts, params, expected = mixed
+    llm = LLM(smollm2_path, data_parallel_size=2, **ENGINE)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert_same(expected, outputs)
+    ranks = stats["data_parallel"]["ranks"]
+    assert [r["state"] for r in ranks] == ["up", "up"]
+    # Both ranks served some, and the totals are the ranks' sums.
+    served = [r["stats"]["prefix_cache_queries"] for r in ranks]
+    assert min(served) > 0 and stats["prefix_cache_queries"] == sum(served)
+
+
+def test_async_llm_dp2_equals_one_engine(smollm2_path: str, mixed) -> None:
+    prompts, params, expected = mixed
+
+    async def main() -> list:
+        engine = AsyncLLM(smollm2_path, data_parallel_size=2, data_parallel_routing="load",
+                          **ENGINE)  # fmt: skip
+        try:
+
+            async def one(i: int):
+                final = None
+                async for out in engine.generate(prompts[i], params[i], request_id=str(i)):
+                    final = out
+                return final
+
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        finally:
+            engine.shutdown()
+
+    assert_same(expected, asyncio.run(main()))
+
+
+def metric_values(base: str) -> dict[tuple[str, str], float]:
+    """(sample name, engine label) -> value."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return {
+        (sample.name, sample.labels.get("engine", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_server_keeps_serving_when_a_rank_is_killed(smollm2_path: str, smollm2_llm) -> None:
+    """32 greedy completions, half of them streamed, through a DP=2 server; rank 1's core is
+    killed (SIGKILL) while they run."""
+    tokenizer = smollm2_llm.get_tokenizer()
+    chats = smollm2_prompts(tokenizer)
+    prompts = [chats[i % len(chats)][: len(chats[i % len(chats)]) - i // 8] for i in range(32)]
+    lengths = [24 + 8 * (i % 5) for i in range(32)]
+    expected = [
+        o.outputs[0].text
+        for o in smollm2_llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths],
+            use_tqdm=False,
+        )
+    ]
+    extra = ("--data-parallel-size", "2")
+    with running_server(smollm2_path, *extra) as (_, base):
+        health = httpx.get(f"{base}/health", timeout=10).json()
+        assert health["status"] == "ok"
+        victim = health["data_parallel"]["ranks"][1]["pid"]
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        texts: list[str | None] = [None] * 32
+        streamed_tokens = 0
+
+        def run(i: int) -> None:
+            nonlocal streamed_tokens
+            args = dict(model="smollm2", prompt=prompts[i], max_tokens=lengths[i],
+                        temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            if i % 2:
+                pieces = []
+                for chunk in client.completions.create(stream=True, **args):
+                    pieces.append(chunk.choices[0].text)
+                    streamed_tokens += 1
+                texts[i] = "".join(pieces)
+            else:
+                texts[i] = client.completions.create(**args).choices[0].text
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 120
+        while streamed_tokens < 64 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 5:
+            ranks = httpx.get(f"{base}/health", timeout=10).json()["data_parallel"]["ranks"]
+            if ranks[1]["state"] == "down":
+                break
+            time.sleep(0.1)
+        assert ranks[1]["state"] == "down", ranks  # noticed within 5 s
+        for thread in threads:
+            thread.join(600)
+        assert texts == expected  # streamed ones too: no piece repeated or missing
+
+        more = client.completions.create(model="smollm2", prompt=prompts[0], max_tokens=8,
+                                         temperature=0)  # fmt: skip
+        assert more.usage.completion_tokens > 0
+        health = httpx.get(f"{base}/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        status = health.json()["data_parallel"]
+        assert status["ranks_up"] == 1 and status["rank_failures"] == 1
+        assert status["resubmitted_requests"] > 0
+        values = metric_values(base)
+        assert values[("tokenmill:engine_up", "0")] == 1
+        assert values[("tokenmill:engine_up", "1")] == 0
+        assert values[("tokenmill:data_parallel_rank_failures_total", "")] == 1
+        assert values[("tokenmill:data_parallel_resubmitted_requests_total", "")] > 0
+        assert values[("tokenmill:num_requests_running", "0")] >= 0
+
+
+def test_llm_survives_a_dead_worker_of_one_rank(tiny_model) -> None:
+    """Each rank's worker runs in a process of its own (the mp executor); rank 0's worker is
+    killed mid-generation: its core fails, and its requests finish on rank 1."""
+    path = str(tiny_model("llama-gqa"))
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 3 for j in range(5 + 3 * i)]}
+               for i in range(32)]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True,
+                            frequency_penalty=0.2)  # fmt: skip
+    common = dict(skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=64 << 20,
+                  distributed_executor_backend="mp")  # fmt: skip
+    one = LLM(path, **common)
+    try:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    llm = LLM(path, data_parallel_size=2, **common)
+    try:
+        status = llm.llm_engine.client.data_parallel_status()
+        core = psutil.Process(status["ranks"][0]["pid"])
+        (worker,) = [p for p in core.children() if "worker_proc" in " ".join(p.cmdline())]
+        result: dict = {}
+        thread = threading.Thread(
+            target=lambda: result.update(out=llm.generate(prompts, params, use_tqdm=False))
+        )
+        thread.start()
+        deadline = time.monotonic() + 60
+        while llm.get_stats()["data_parallel"]["ranks"][0]["stats"]["num_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        worker.kill()
+        thread.join(300)
+        assert [o.outputs[0].token_ids for o in result["out"]] == expected
+        status = llm.get_stats()["data_parallel"]
+        assert [r["state"] for r in status["ranks"]] == ["down", "up"]
+        assert "worker rank 0" in status["ranks"][0]["cause"], status
+        assert status["resubmitted_requests"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_no_rank_left_is_engine_dead(tiny_model) -> None:
+    from tokenmill.frontend.core_client import EngineDeadError
+
+    llm = LLM(str(tiny_model("llama-gqa")), data_parallel_size=2, skip_tokenizer_init=True,
+              kv_cache_memory_bytes=16 << 20)  # fmt: skip
+    try:
+        for rank in llm.llm_engine.client.data_parallel_status()["ranks"]:
+            os.kill(rank["pid"], signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="every data-parallel rank is down"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)
+                time.sleep(0.1)
+    finally:
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------------------- routing
+def loads(*scores: tuple[int, int], blocks: int = 100) -> list[RankLoad]:
+    ranks = []
+    for i, (waiting, running) in enumerate(scores):
+        rank = RankLoad(i, blocks)
+        rank.stats = SchedulerStats(num_running=running, num_waiting=waiting)
+        rank.unfinished = waiting + running
+        ranks.append(rank)
+    return ranks
+
+
+def test_router_prefers_the_rank_holding_the_prefix_within_the_margin() -> None:
+    router = Router("prefix", margin=8, block_size=4)
+    prompt = list(range(40))  # 10 full blocks
+    hashes = router.block_hashes(prompt)
+    a, b = loads((0, 2), (0, 0))  # scores 2 and 0
+    a.record.add(hashes[:6])
+    assert router.choose([a, b], hashes) is a  # 6 blocks held, 2 more load: within 8
+    a.stats = SchedulerStats(num_running=3, num_waiting=2)  # score 4 x 2 + 3 = 11 > 0 + 8
+    a.unfinished = 5
+    assert router.choose([a, b], hashes) is b
+    # A prompt that shares nothing goes to the least loaded; "load" routing ignores prefixes.
+    assert router.choose([a, b], router.block_hashes(list(range(100, 140)))) is b
+    a.stats, a.unfinished = SchedulerStats(num_running=2), 2
+    assert Router("load", 8, 4).choose([a, b], Router("load", 8, 4).block_hashes(prompt)) is b
+    # Requests sent but not yet in the stats count as waiting.
+    b.unfinished = 3
+    assert b.score() == 12
+
+
+def test_prefix_record_is_bounded_and_matches_leading_blocks_only() -> None:
+    router = Router("prefix", 8, 2)
+    record = PrefixRecord(capacity=4)
+    hashes = router.block_hashes(list(range(12)))  # 6 blocks
+    record.add(hashes)
+    assert len(record.blocks) == 4  # the oldest two were evicted
+    assert record.matched(hashes) == 0  # the first block is gone: no prefix matches
+    assert record.matched(hashes[2:]) == 4
+    other = router.block_hashes([99] + list(range(1, 12)))  # differs in block 0
+    assert record.matched(other) == 0
+
+
+def test_data_parallel_config_errors_name_the_field(tiny_model) -> None:
+    path = str(tiny_model("llama-gqa"))
+    with pytest.raises(ValueError, match="data_parallel_rpc_port must be the port headless"):
+        LLM(path, data_parallel_size=2, data_parallel_size_local=1)
+    with pytest.raises(ValueError, match="data_parallel_routing must be"):
+        LLM(path, data_parallel_size=2, data_parallel_routing="random")
+    with pytest.raises(ValueError, match="cannot run with multiprocess=False"):
+        LLM(path, data_parallel_size=2, multiprocess=False)
+
+
+def test_dp_status_is_json(tiny_model) -> None:
+    llm = LLM(str(tiny_model("llama-gqa")), data_parallel_size=2, skip_tokenizer_init=True,
+              kv_cache_memory_bytes=16 << 20)  # fmt: skip
+    try:
+        status = json.loads(json.dumps(llm.llm_engine.client.data_parallel_status()))
+        assert [r["state"] for r in status["ranks"]] == ["up", "up"]
+        assert all(psutil.pid_exists(r["pid"]) for r in status["ranks"])
+        pids = [r["pid"] for r in status["ranks"]]
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+              for p in pids) and time.monotonic() < deadline:  # fmt: skip
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids)  # fmt: skip
