@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import msgspec
@@ -68,7 +69,7 @@ _DECODERS = {
 # Events the core's own threads put on the input queue (never sent by a client).
 _CLIENT_GONE = b"client-gone"
 _ADD_FAILED = b"add-failed"  # (request id, why) of requests in an ADD that did not decode
-_WORKERS_DEAD = b"workers-dead"
+_FATAL = b"fatal"  # the engine cannot go on (its workers died, ...): the cause follows
 
 CLIENT_TIMEOUT_S = 5.0  # a daemon's client that sends nothing for this long is gone
 _IDLE_WAKE_S = 1.0  # an idle loop still looks for silent clients this often
@@ -157,7 +158,7 @@ class EngineCoreProc:
             self.startup_error = f"{type(e).__name__}: {e}"
             return
         self.core.executor.register_failure_callback(
-            lambda cause: self.input_queue.put((b"", _WORKERS_DEAD, cause))
+            lambda cause: self.input_queue.put((b"", _FATAL, cause))
         )
 
     # --------------------------------------------------------------------------- threads
@@ -313,7 +314,7 @@ class EngineCoreProc:
         time.sleep(0.2)  # let the output thread send
 
     def _handle(self, identity: bytes, kind: bytes, payload: Any) -> None:
-        if kind == _WORKERS_DEAD:
+        if kind == _FATAL:
             self._die(payload)
         if kind == _CLIENT_GONE:
             self._drop_client(identity, payload)
@@ -459,6 +460,11 @@ class EngineCoreProc:
             "client %s is gone (%s); aborted its %d requests", identity.hex(), reason, len(orphans)
         )
 
+    def fail(self, cause: str) -> None:
+        """Ends the engine from any thread: the engine loop tells every client why and the
+        process exits with an error."""
+        self.input_queue.put((b"", _FATAL, cause))
+
     def _die(self, cause: str) -> NoReturn:
         """Tells every client why the engine is dead, stops the workers and exits."""
         logger.error("engine core is dead: %s", cause)
@@ -520,8 +526,11 @@ def run_engine_core(
     output_address: str,
     parent_pid: int | None = None,
     auth_token: str = "",
+    on_ready: Callable[[EngineCoreProc], None] | None = None,
 ) -> None:
-    """Process entry point (spawned by a client or run by the engine-core daemon)."""
+    """Process entry point (spawned by a client or run by the engine-core daemon).
+    `on_ready` runs once the engine is built and about to serve (a headless data-parallel
+    rank registers with its frontend then)."""
     parallel = config.parallel_config
     # A data-parallel rank says which one it is in every line (its stats line included).
     name = "engine-core" if parallel.data_parallel_size == 1 else (
@@ -541,6 +550,8 @@ def run_engine_core(
     proc = None
     try:
         proc = EngineCoreProc(config, input_address, output_address, parent_pid, auth_token)
+        if on_ready is not None and proc.startup_error is None:
+            on_ready(proc)
         proc.run()
     except SystemExit:
         logger.info("engine core stopping")

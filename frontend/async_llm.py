@@ -62,7 +62,7 @@ class AsyncLLM:
             if config.parallel_config.data_parallel_size > 1:
                 from tokenmill.frontend.dp_client import AsyncDPClient
 
-                self.client = AsyncDPClient(config)
+                self.client = AsyncDPClient(config, auth_token=token)
             else:
                 self.client = AsyncMPClient(config)
         else:

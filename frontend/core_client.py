@@ -93,7 +93,7 @@ class EngineCoreClient(ABC):
                 )
             from tokenmill.frontend.dp_client import DPClient
 
-            return DPClient(config)
+            return DPClient(config, auth_token=auth_token)
         return SyncMPClient(config) if multiprocess else InprocClient(config)
 
     @abstractmethod

@@ -39,7 +39,7 @@ from tokenmill.frontend.core_client import (
     take_output,
     take_output_async,
 )
-from tokenmill.frontend.dp_ranks import RankLauncher, launcher_for
+from tokenmill.frontend.dp_ranks import REGISTRATION_WAIT_S, RankLauncher, launcher_for
 from tokenmill.frontend.dp_router import RankLoad, Router
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import EngineCoreOutputs, EngineCoreRequest, Ready
@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 _STATS_LOG_INTERVAL_S = 10.0  # the all-ranks stats line, at most this often
 _PARKED = -1  # the rank of a request waiting for a rank to come back
+# With every rank down, requests wait this long for one to come back (where ranks restart)
+# before the client gives up and is dead.
+NO_RANK_TIMEOUT_S = 120.0
+_RESTART_POLL_S = 2.0  # a restart's attempts wait this long each (then look at the clock)
 
 
 @dataclass
@@ -71,7 +75,9 @@ class _DataParallel:
     """What both data-parallel clients share: ranks, routing, the ledger and failover.
     Subclasses provide the rank clients and the merged output queue (`_put`)."""
 
-    def __init__(self, config: EngineConfig, launcher: RankLauncher | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, launcher: RankLauncher | None = None, auth_token: str = ""
+    ) -> None:
         parallel = config.parallel_config
         self.size = parallel.data_parallel_size
         self.lock = threading.RLock()  # ranks' output threads, callers and failover
@@ -87,14 +93,16 @@ class _DataParallel:
         self.num_rank_failures = 0
         self.num_resubmitted = 0
         self.next_stats_log = 0.0
-        self.launcher = launcher or launcher_for(config)
+        self.launcher = launcher or launcher_for(config, auth_token)
         self._start_ranks(config)
 
     # -------------------------------------------------------------------------- ranks
     def _start_ranks(self, config: EngineConfig) -> None:
         """Starts (or waits for) every rank at once; one that cannot start fails them all."""
         with ThreadPoolExecutor(self.size, thread_name_prefix="dp-start") as pool:
-            futures = [pool.submit(self._connect_rank, i) for i in range(self.size)]
+            futures = [
+                pool.submit(self._connect_rank, i, REGISTRATION_WAIT_S) for i in range(self.size)
+            ]
             errors = [f.exception() for f in futures]
         failed = [(i, e) for i, e in enumerate(errors) if e is not None]
         if failed:
@@ -106,10 +114,10 @@ class _DataParallel:
             logger.warning("the data-parallel ranks fitted different max_model_len %s; "
                            "the smallest applies", sorted(lens))  # fmt: skip
 
-    def _connect_rank(self, index: int) -> None:
+    def _connect_rank(self, index: int, timeout: float) -> None:
         """Starts rank `index` (or reaches it) and puts it in the routing."""
         rank = self.ranks[index]
-        client = self._make_rank_client(index)
+        client = self._make_rank_client(index, timeout)
         with self.lock:
             if self.closing:
                 threading.Thread(target=client.shutdown, daemon=True).start()
@@ -119,7 +127,7 @@ class _DataParallel:
             rank.up = True
         logger.info("data-parallel rank %d is up (%s)", index, client.address)
 
-    def _make_rank_client(self, index: int) -> Any:
+    def _make_rank_client(self, index: int, timeout: float) -> Any:
         raise NotImplementedError
 
     def _live(self) -> list[_Rank]:
@@ -251,26 +259,37 @@ class _DataParallel:
         logger.error("data-parallel rank %d is down (%s); %d unfinished requests move to the "
                      "other ranks", rank.index, cause, len(moved))  # fmt: skip
         threading.Thread(target=client.shutdown, daemon=True, name="dp-rank-stop").start()
-        if not self._live() and not self.launcher.restarts:
+        self.launcher.lost(rank.index)
+        restarts = self.launcher.restarts(rank.index)
+        if not self._live() and not any(self.launcher.restarts(r.index) for r in self.ranks):
             self._die(f"every data-parallel rank is down (rank {rank.index}: {cause})")
             return
         self.num_resubmitted += len(moved)
         self._route([continuation(e.request, e.produced) for e in moved])  # or parks them
-        if self.launcher.restarts:
+        if restarts:
             threading.Thread(target=self._restart, args=(rank.index,), daemon=True,
                              name=f"dp-restart-{rank.index}").start()  # fmt: skip
 
     def _restart(self, index: int) -> None:
-        """Starts a lost rank again and puts it back in the routing; requests parked while
-        no rank was up go to it."""
-        try:
-            self._connect_rank(index)
-        except Exception as e:
-            logger.error("data-parallel rank %d could not be restarted: %s", index, e)
-            with self.lock:
-                if not self._live() and self.dead is None:
-                    self._die(f"every data-parallel rank is down (rank {index}: {e})")
-            return
+        """Brings a lost rank back (a new Ray actor, a headless daemon registering again)
+        and puts it back in the routing; requests parked while no rank was up go to it.
+        While no rank at all is up, gives up after NO_RANK_TIMEOUT_S: the client is dead."""
+        down_since = time.monotonic()
+        while True:
+            try:
+                self._connect_rank(index, _RESTART_POLL_S)
+                break
+            except Exception as e:
+                with self.lock:
+                    if self.closing or self.dead is not None:
+                        return
+                    if not self._live() and time.monotonic() - down_since > NO_RANK_TIMEOUT_S:
+                        self._die(f"every data-parallel rank is down; rank {index} did not "
+                                  f"come back within {NO_RANK_TIMEOUT_S:.0f} s: {e}")  # fmt: skip
+                        return
+                if not isinstance(e, TimeoutError):
+                    logger.warning("data-parallel rank %d did not come back yet: %s", index, e)
+                    time.sleep(_RESTART_POLL_S)
         with self.lock:
             parked = [e for e in self.in_flight.values() if e.rank == _PARKED]
             self._route([continuation(e.request, e.produced) for e in parked])
@@ -342,12 +361,14 @@ class DPClient(_DataParallel, EngineCoreClient):
     """Data parallelism for blocking callers (LLM): every rank's output thread delivers into
     one queue that get_output reads."""
 
-    def __init__(self, config: EngineConfig, launcher: RankLauncher | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, launcher: RankLauncher | None = None, auth_token: str = ""
+    ) -> None:
         self.outputs: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
-        super().__init__(config, launcher)
+        super().__init__(config, launcher, auth_token)
 
-    def _make_rank_client(self, index: int) -> SyncMPClient:
-        return self.launcher.connect(index, _SyncRankClient, weakref.ref(self))
+    def _make_rank_client(self, index: int, timeout: float) -> SyncMPClient:
+        return self.launcher.connect(index, _SyncRankClient, weakref.ref(self), timeout)
 
     def _put(self, item: EngineCoreOutputs | BaseException) -> None:
         self.outputs.put(item)
@@ -371,13 +392,15 @@ class AsyncDPClient(_DataParallel):
     """Data parallelism for an asyncio loop (AsyncLLM): every rank client's receiving task
     runs on the loop and delivers into one asyncio queue."""
 
-    def __init__(self, config: EngineConfig, launcher: RankLauncher | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, launcher: RankLauncher | None = None, auth_token: str = ""
+    ) -> None:
         self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        super().__init__(config, launcher)
+        super().__init__(config, launcher, auth_token)
 
-    def _make_rank_client(self, index: int) -> AsyncMPClient:
-        client = self.launcher.connect(index, _AsyncRankClient, weakref.ref(self))
+    def _make_rank_client(self, index: int, timeout: float) -> AsyncMPClient:
+        client = self.launcher.connect(index, _AsyncRankClient, weakref.ref(self), timeout)
         loop = self.loop
         if loop is not None and loop.is_running():  # a restarted rank joins the running loop
             loop.call_soon_threadsafe(client._ensure_started)

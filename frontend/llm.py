@@ -61,7 +61,8 @@ class LLM:
             self.llm_engine = LLMEngine(None, True, engine_address, token, reconnect)
         else:
             self.engine_args = EngineArgs(model=model, **kwargs)
-            self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess)
+            config = self.engine_args.create_engine_config()
+            self.llm_engine = LLMEngine(config, multiprocess, auth_token=token)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -410,6 +410,21 @@ class Hello(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignor
     auth_token: str = ""
 
 
+class RankRegistration(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """A headless data-parallel rank (`engine-core --data-parallel-rank R`) telling the
+    frontend where it serves; sent to the frontend's registration socket until answered,
+    then now and then again (so that a restarted frontend finds it too). Answered with
+    REGISTERED or REFUSED and the reason."""
+
+    protocol_version: int
+    rank: int
+    address: str  # the daemon's engine address, as clients reach it
+    auth_token: str = ""
+
+
+REGISTERED = b"R"
+
+
 class Ready(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
     """The core's answer to a hello: its settled configuration (model and tokenizer paths,
     max_model_len after auto-fit, ...), which is all a client needs to build its frontend."""

@@ -16,11 +16,20 @@ import time
 import openai
 import psutil
 import pytest
-from helpers import assert_same, httpx, running_server, smollm2_prompts, workload
+from helpers import (
+    assert_same,
+    free_port_pair,
+    httpx,
+    running_daemon,
+    running_server,
+    smollm2_prompts,
+    workload,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from tokenmill import LLM, AsyncLLM, SamplingParams
+from tokenmill.frontend.dp_ranks import Registry
 from tokenmill.frontend.dp_router import PrefixRecord, RankLoad, Router
 from tokenmill.protocol.messages import SchedulerStats
 
@@ -291,3 +300,74 @@ def test_dp_status_is_json(tiny_model) -> None:
         time.sleep(0.1)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                    for p in pids)  # fmt: skip
+
+
+# ------------------------------------------------------------------------ headless ranks
+def headless_rank(model, rank: int, rpc_port: int, *extra: str):
+    """`engine-core` as headless data-parallel rank `rank` of 2, joining a frontend on
+    loopback (a context manager: stopped on the way out)."""
+    return running_daemon(
+        model, "--data-parallel-size", "2", "--data-parallel-rank", str(rank),
+        "--data-parallel-rpc-port", str(rpc_port), *extra, kv_cache_bytes=32 << 20,
+    )  # fmt: skip
+
+
+def test_headless_rank_joins_leaves_and_rejoins(tiny_model) -> None:
+    path = tiny_model("llama-gqa")
+    prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 500 + 3 for j in range(4 + 5 * i)]}
+               for i in range(16)]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    common = dict(skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20)
+    one = LLM(str(path), **common)
+    try:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    rpc_port = free_port_pair()
+    with headless_rank(path, 1, rpc_port) as (daemon, _):
+        llm = LLM(str(path), data_parallel_size=2, data_parallel_size_local=1,
+                  data_parallel_rpc_port=rpc_port, **common)  # fmt: skip
+        try:
+            status = llm.get_stats()["data_parallel"]
+            assert [r["state"] for r in status["ranks"]] == ["up", "up"]
+            assert "pid" not in status["ranks"][1]  # a daemon this frontend did not start
+            result: dict = {}
+            thread = threading.Thread(
+                target=lambda: result.update(out=llm.generate(prompts, params, use_tqdm=False))
+            )
+            thread.start()
+            deadline = time.monotonic() + 60
+            while llm.get_stats()["data_parallel"]["ranks"][1]["stats"]["num_running"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            daemon.kill()
+            thread.join(300)
+            assert [o.outputs[0].token_ids for o in result["out"]] == expected
+            assert llm.get_stats()["data_parallel"]["ranks"][1]["state"] == "down"
+            # Started again, the rank registers again and takes requests.
+            with headless_rank(path, 1, rpc_port):
+                deadline = time.monotonic() + 120
+                while llm.get_stats()["data_parallel"]["ranks_up"] < 2:
+                    assert time.monotonic() < deadline, "the restarted rank did not rejoin"
+                    time.sleep(0.2)
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                assert [o.outputs[0].token_ids for o in outputs] == expected
+                ranks = llm.get_stats()["data_parallel"]["ranks"]
+                assert ranks[1]["stats"]["prefix_cache_queries"] > 0  # it served some
+        finally:
+            llm.shutdown()
+
+
+def test_headless_rank_with_a_wrong_token_is_refused(tiny_model) -> None:
+    path = tiny_model("llama-gqa")
+    rpc_port = free_port_pair()
+    registry = Registry("127.0.0.1", rpc_port, "right", 2)
+    try:
+        with headless_rank(path, 1, rpc_port, "--auth-token", "wrong") as (daemon, _):
+            assert daemon.wait(120) != 0  # it stops itself, saying why
+        with pytest.raises(TimeoutError, match="rank 1 did not register"):
+            registry.wait_for(1, -1.0, 0.5)
+    finally:
+        registry.close()
+    with pytest.raises(ValueError, match="is not loopback: headless ranks must present"):
+        Registry("0.0.0.0", rpc_port, "", 2)
