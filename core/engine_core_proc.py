@@ -36,6 +36,7 @@ import psutil
 import zmq
 
 from tokenmill.core.engine_core import EngineCore
+from tokenmill.protocol import envs
 from tokenmill.protocol.codec import DecodeError, Decoder, Encoder
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import (
@@ -570,7 +571,9 @@ def main() -> None:
     parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args()
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
-    run_engine_core(config, args.input_address, args.output_address, args.parent_pid)
+    # A core on tcp (a Ray rank's, on its node's IP) demands the token its starter set.
+    token = envs.TOKENMILL_AUTH_TOKEN if args.input_address.startswith("tcp://") else ""
+    run_engine_core(config, args.input_address, args.output_address, args.parent_pid, token)
 
 
 if __name__ == "__main__":

@@ -313,12 +313,12 @@ class _DataParallel:
                 "ranks": [self._describe(r) for r in self.ranks],
             }
 
-    @staticmethod
-    def _describe(rank: _Rank) -> dict[str, Any]:
+    def _describe(self, rank: _Rank) -> dict[str, Any]:
+        where = self.launcher.describe(rank.index)  # (a Ray rank's node: where it was lost)
         if not rank.up:
-            return {"rank": rank.index, "state": "down", "cause": rank.cause}
+            return {"rank": rank.index, "state": "down", "cause": rank.cause, **where}
         client = rank.client
-        where: dict[str, Any] = {"address": client.address}
+        where["address"] = client.address
         if client.proc is not None:  # a core process started here
             where["pid"] = client.proc.pid
         return {"rank": rank.index, "state": "up", **where}

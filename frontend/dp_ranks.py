@@ -48,6 +48,10 @@ class RankLauncher:
     def lost(self, index: int) -> None:
         """Rank `index` was found lost (what the launcher knew of it is stale)."""
 
+    def describe(self, index: int) -> dict[str, Any]:
+        """Where rank `index` runs, beyond its address (its Ray node, say)."""
+        return {}
+
     def close(self) -> None:
         """Releases what the launcher holds (never blocks for long)."""
 

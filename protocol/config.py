@@ -190,7 +190,7 @@ class ParallelConfig:
                self.data_parallel_prefix_margin, "at least 0")  # fmt: skip
         _check(0 <= self.data_parallel_rpc_port < 65536, "data_parallel_rpc_port",
                self.data_parallel_rpc_port, "a port number (0: none)")  # fmt: skip
-        remote = dp - self.num_local_dp_ranks
+        remote = dp - (dp if local is None else local)  # headless ranks join (not with Ray)
         why = f"the port headless ranks join on ({remote} of {dp} ranks are not local)"
         _check(remote == 0 or self.data_parallel_rpc_port > 0, "data_parallel_rpc_port",
                self.data_parallel_rpc_port, why)  # fmt: skip
@@ -202,7 +202,10 @@ class ParallelConfig:
 
     @property
     def num_local_dp_ranks(self) -> int:
-        """DP ranks on this host (a frontend's own, or a headless host's)."""
+        """DP ranks sharing this host's cores and RAM (a frontend's own, or a headless
+        host's); with Ray each rank has what Ray reserved for it."""
+        if self.data_parallel_backend == "ray":
+            return 1
         if self.data_parallel_size_local is None:
             return self.data_parallel_size
         return self.data_parallel_size_local

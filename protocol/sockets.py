@@ -11,6 +11,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import stat
+from dataclasses import dataclass, replace
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -64,3 +66,54 @@ def with_host(address: str, host: str) -> str:
         raise ValueError(f"--host applies to tcp://HOST:PORT addresses, got {address!r}")
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     return f"tcp://{host}:{parts.port}"
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE keys for sockets that must reach beyond this host (an executor's, when its
+    workers are on other nodes): the executor's sockets are CURVE servers with their own key
+    pair, and only clients holding the one client key pair made with it are let in (a ZAP
+    handler checks the key), so nobody else can send calls, read them or forge replies, and
+    all traffic is encrypted. The workers get `for_client()`, which has no server secret."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @staticmethod
+    def generate() -> CurveKeys:
+        import zmq
+
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return CurveKeys(server_public, server_secret, client_public, client_secret)
+
+    def for_client(self) -> CurveKeys:
+        return replace(self, server_secret=b"")
+
+    def make_server(self, socket: Any) -> None:
+        socket.curve_secretkey = self.server_secret
+        socket.curve_publickey = self.server_public
+        socket.curve_server = True
+
+    def make_client(self, socket: Any) -> None:
+        socket.curve_secretkey = self.client_secret
+        socket.curve_publickey = self.client_public
+        socket.curve_serverkey = self.server_public
+
+    def start_authenticator(self, ctx: Any) -> Any:
+        """A ZAP handler on `ctx` that lets in the client key alone (stop() it before the
+        context is terminated)."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        keys = self
+
+        class _OneKey:
+            def callback(self, domain: str, key: bytes) -> bool:
+                return key == keys.client_public
+
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+        auth.configure_curve_callback(domain="*", credentials_provider=_OneKey())
+        return auth

@@ -160,6 +160,21 @@ def kill_all(processes: list[psutil.Process]) -> None:
             pass
 
 
+def require_ray():
+    """Imports ray, or skips the test (fails it under CI=true: `make test` installs it)."""
+    import os
+
+    import pytest
+
+    try:
+        import ray
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("ray is not installed, and CI must run the Ray tests")
+        pytest.skip("ray is not installed (pip install 'tokenmill[ray]')")
+    return ray
+
+
 def require_triton():
     """Imports triton, or skips the test (fails it under CI=true, where triton must be
     installed: `make test` installs it)."""
@@ -364,3 +379,14 @@ def assert_same(expected: list, actual: list) -> None:
             assert (pa is None) == (pb is None)
             if pa is not None:
                 assert pa.keys() == pb.keys()
+
+
+def mixed_requests(tokenizer) -> tuple[list[dict], list[SamplingParams]]:
+    """32 requests for SmolLM2 with every feature of `workload` (stop strings and a JSON
+    schema included), over 20 variants of the parity prompts."""
+    chats = smollm2_prompts(tokenizer)
+    base = [chats[i % len(chats)][: len(chats[i % len(chats)]) - i // len(chats)]
+            for i in range(20)]  # fmt: skip
+    prompts, params = workload(base, text=True)
+    assert len(prompts) == 32
+    return prompts, params

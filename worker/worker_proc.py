@@ -31,25 +31,34 @@ from tokenmill.protocol.codec import Decoder, Encoder
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.process import close_sockets, remove_dir, watch_parent
 from tokenmill.protocol.rpc import SHUTDOWN, STARTUP_CALL_ID, RpcCall, RpcReply, argument_type
+from tokenmill.protocol.sockets import CurveKeys
 from tokenmill.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerProc:
-    def __init__(self, config: EngineConfig, rank: int, ipc_dir: str, init_method: str) -> None:
-        self.rank = rank
+    def __init__(
+        self,
+        worker: Worker,
+        call_address: str,
+        reply_address: str,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        """Serves `worker`'s RPC table: calls pulled from call_address, replies pushed to
+        reply_address (with `curve`, as an authenticated, encrypted CURVE client)."""
+        self.rank = worker.rank
         self.ctx = zmq.Context()
         self.calls = self.ctx.socket(zmq.PULL)
-        self.calls.connect(call_address(ipc_dir, rank))
         self.replies = self.ctx.socket(zmq.PUSH)
-        self.replies.connect(reply_address(ipc_dir))
+        for socket, address in ((self.calls, call_address), (self.replies, reply_address)):
+            if curve is not None:
+                curve.make_client(socket)
+            socket.connect(address)
         self.encoder = Encoder()
         self.header_decoder = Decoder(RpcCall)
         self.decoders: dict[tuple[str, int, tuple[str, ...]], Decoder] = {}
-        tp = config.parallel_config.tensor_parallel_size
-        # All ranks are on this host: the local rank is the rank.
-        self.worker = Worker(config, rank, rank, tp, init_method)
+        self.worker = worker
 
     def start(self) -> bool:
         try:
@@ -141,7 +150,10 @@ def main() -> None:
     )
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
     watch_parent(args.parent_pid, f"worker rank {args.rank}", lambda: remove_dir(args.ipc_dir))
-    proc = WorkerProc(config, args.rank, args.ipc_dir, args.init_method)
+    tp = config.parallel_config.tensor_parallel_size
+    # All ranks are on this host: the local rank is the rank.
+    worker = Worker(config, args.rank, args.rank, tp, args.init_method)
+    proc = WorkerProc(worker, call_address(args.ipc_dir, args.rank), reply_address(args.ipc_dir))
     started = proc.start()
     if started:
         proc.serve()

@@ -35,6 +35,10 @@ class Executor(ABC):
             from tokenmill.core.executor.external_launcher import ExternalLauncherExecutor
 
             return ExternalLauncherExecutor
+        if backend == "ray":
+            from tokenmill.core.executor.ray import RayExecutor
+
+            return RayExecutor
         if backend == "mp" or (backend is None and parallel.tensor_parallel_size > 1):
             from tokenmill.core.executor.multiproc import MultiprocExecutor
 

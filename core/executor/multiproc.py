@@ -13,6 +13,7 @@ and NCCL are kept on loopback.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -21,6 +22,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,16 +75,12 @@ class _Call:
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         self.world_size = self.config.parallel_config.tensor_parallel_size
-        self.ipc_dir = tempfile.mkdtemp(prefix="tokenmill-workers-")  # mode 0700
         self.ctx = zmq.Context()
-        self.call_sockets = []
-        for rank in range(self.world_size):
-            socket = self.ctx.socket(zmq.PUSH)
+        self.call_sockets = [self.ctx.socket(zmq.PUSH) for _ in range(self.world_size)]
+        for socket in self.call_sockets:
             socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-            socket.bind(call_address(self.ipc_dir, rank))
-            self.call_sockets.append(socket)
         self.reply_socket = self.ctx.socket(zmq.PULL)
-        self.reply_socket.bind(reply_address(self.ipc_dir))
+        self.call_addresses, self.reply_address = self._bind_sockets()
         self.encoder = Encoder()
         self.send_lock = threading.Lock()
         self.receive_lock = threading.Lock()
@@ -95,11 +93,11 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(
             self,
             _shutdown,
-            self.workers,
+            self._worker_stopper(),
             self.stopping,
             self.ctx,
             [*self.call_sockets, self.reply_socket],
-            self.ipc_dir,
+            self._cleanup,
         )
         try:
             self._wait_until_ready(WORKER_STARTUP_TIMEOUT_S)
@@ -108,10 +106,47 @@ class MultiprocExecutor(Executor):
             raise
         threading.Thread(
             target=_monitor,
-            args=(weakref.ref(self), self.workers, self.stopping),
+            args=(weakref.ref(self), self._exit_waiter(), self.stopping),
             daemon=True,
             name="executor-monitor",
         ).start()
+
+    # ------------------------------------------------ what differs where workers live
+    def _bind_sockets(self) -> tuple[list[str], str]:
+        """Binds the call sockets and the reply socket; returns their addresses. Here: ipc
+        sockets in a private (0700) directory, removed by `_cleanup`."""
+        self.ipc_dir = tempfile.mkdtemp(prefix="tokenmill-workers-")
+        self._cleanup = functools.partial(remove_dir, self.ipc_dir)
+        calls = [call_address(self.ipc_dir, rank) for rank in range(self.world_size)]
+        for socket, address in zip(self.call_sockets, calls):
+            socket.bind(address)
+        self.reply_socket.bind(reply_address(self.ipc_dir))
+        return calls, reply_address(self.ipc_dir)
+
+    def _worker_stopper(self) -> Callable[[], None]:
+        """Stops every worker that has not exited after the shutdown call (SIGTERM, then
+        SIGKILL); holds no reference to the executor (the finalizer calls it)."""
+        return functools.partial(_stop_procs, self.workers)
+
+    def _exit_waiter(self) -> Callable[[threading.Event], int | None]:
+        """Blocks until some worker exits (its rank) or the event is set (None)."""
+        return functools.partial(wait_for_exit, self.workers)
+
+    def _exited(self, rank: int) -> str | None:
+        """How rank's worker ended, if it has."""
+        proc = self.workers[rank]
+        if proc.poll() is None:
+            return None
+        return f"worker rank {rank} (pid {proc.pid}) exited ({_exit_status(proc.returncode)})"
+
+    def _death(self, rank: int) -> str:
+        """The failure message for rank's worker's death."""
+        proc = self.workers[rank]
+        return f"worker rank {rank} (pid {proc.pid}) died ({_exit_status(proc.returncode)})"
+
+    def _stop_all(self) -> None:
+        """Stops the workers still running after one died (from the monitor's thread)."""
+        stop_processes(self.workers, timeout=2.0)
 
     def _start_workers(self) -> list:
         # Keep torch.distributed's own sockets on loopback unless the user chose otherwise.
@@ -143,12 +178,10 @@ class MultiprocExecutor(Executor):
                     raise RuntimeError(f"worker rank {reply.rank} failed to start: {error}")
                 pending.discard(reply.rank)
                 continue
-            for rank, proc in enumerate(self.workers):
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"worker rank {rank} (pid {proc.pid}) exited during start-up "
-                        f"({_exit_status(proc.returncode)})"
-                    )
+            for rank in range(self.world_size):
+                exited = self._exited(rank)
+                if exited is not None:
+                    raise RuntimeError(f"{exited} during start-up")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"worker ranks {sorted(pending)} were not ready within {timeout:.0f} s"
@@ -271,10 +304,9 @@ class MultiprocExecutor(Executor):
 
     # -------------------------------------------------------------------------- lifetime
     def _on_worker_death(self, rank: int) -> None:
-        proc = self.workers[rank]
-        self.failure = f"worker rank {rank} (pid {proc.pid}) died ({_exit_status(proc.returncode)})"
+        self.failure = self._death(rank)
         logger.error("%s; stopping the other workers", self.failure)
-        stop_processes(self.workers, timeout=2.0)
+        self._stop_all()
         if self.failure_callback is not None:
             self.failure_callback(self.failure)
 
@@ -297,32 +329,45 @@ class _RpcFuture(Future):
         return super().result(0)
 
 
-def _monitor(executor_ref: weakref.ref, workers: list, stopping: threading.Event) -> None:
-    rank = wait_for_exit(workers, stopping)
+def _monitor(
+    executor_ref: weakref.ref,
+    wait: Callable[[threading.Event], int | None],
+    stopping: threading.Event,
+) -> None:
+    rank = wait(stopping)
     executor = executor_ref()
     if rank is not None and executor is not None and not stopping.is_set():
         executor._on_worker_death(rank)
 
 
 def _shutdown(
-    workers: list, stopping: threading.Event, ctx: zmq.Context, sockets: list, ipc_dir: str
+    stop_workers: Callable[[], None],
+    stopping: threading.Event,
+    ctx: zmq.Context,
+    sockets: list,
+    cleanup: Callable[[], None],
 ) -> None:
-    """Asks every worker to exit, stops whichever has not within 2 s, then closes the
-    sockets and removes their directory. Every wait here has a deadline."""
+    """Asks every worker to exit, stops whichever has not (stop_workers: within seconds),
+    then closes the sockets and cleans up (their directory, say). Every wait here has a
+    deadline."""
     stopping.set()
-    for socket, proc in zip(sockets, workers):
-        if proc.poll() is None:
-            try:
-                socket.send(msgspec.msgpack.encode(RpcCall(-1, SHUTDOWN)), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+    for socket in sockets[:-1]:  # the call sockets (the last one is the replies')
+        try:
+            socket.send(msgspec.msgpack.encode(RpcCall(-1, SHUTDOWN)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    stop_workers()
+    close_sockets(ctx, sockets)
+    cleanup()
+
+
+def _stop_procs(workers: list) -> None:
+    """Gives worker processes 2 s to exit after the shutdown call, then stops them."""
     deadline = time.monotonic() + 2.0
     for proc in workers:
         while proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
     stop_processes(workers, timeout=3.0)
-    close_sockets(ctx, sockets)
-    remove_dir(ipc_dir)
 
 
 def _exit_status(code: int | None) -> str:

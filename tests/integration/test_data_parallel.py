@@ -20,10 +20,10 @@ from helpers import (
     assert_same,
     free_port_pair,
     httpx,
+    mixed_requests,
     running_daemon,
     running_server,
     smollm2_prompts,
-    workload,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
@@ -43,12 +43,7 @@ ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=128 << 
 def mixed(smollm2_path: str):
     """32 mixed requests (every sampling feature of the async tests, stop strings and a JSON
     schema included) and one engine's outputs for them."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    chats = smollm2_prompts(tokenizer)
-    base = [chats[i % len(chats)][: len(chats[i % len(chats)]) - i // len(chats)]
-            for i in range(20)]  # fmt: skip
-    prompts, params = workload(base, text=True)
-    assert len(prompts) == 32
+    prompts, params = mixed_requests(AutoTokenizer.from_pretrained(smollm2_path))
     llm = LLM(smollm2_path, **ENGINE)
     try:
         expected = llm.generate(prompts, params, use_tqdm=False)
