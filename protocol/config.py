@@ -160,7 +160,10 @@ class ParallelConfig:
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 0  # 0: none (every rank is local)
     data_parallel_routing: str = "prefix"
-    data_parallel_prefix_margin: int = 8
+    # Measured (scripts/bench_data_parallel.py, DP=2, concurrency 16): 8 keeps too little
+    # of the prefix benefit (74.9% hits against 82.4% at 32); without a bound one hot prefix
+    # sends every request to one rank (half the throughput); 32 keeps both.
+    data_parallel_prefix_margin: int = 32
     data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
@@ -339,7 +342,7 @@ class EngineArgs:
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 0
     data_parallel_routing: str = "prefix"
-    data_parallel_prefix_margin: int = 8
+    data_parallel_prefix_margin: int = 32
     load_format: str = "auto"
     device: str = "auto"
     attention_backend: str | None = None  # None: TRITON_ATTN on CUDA, TORCH_SDPA on the CPU

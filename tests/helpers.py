@@ -390,3 +390,79 @@ def mixed_requests(tokenizer) -> tuple[list[dict], list[SamplingParams]]:
     prompts, params = workload(base, text=True)
     assert len(prompts) == 32
     return prompts, params
+
+
+def mixed_completions(tokenizer) -> list[dict]:
+    """32 greedy completion requests for SmolLM2 (token prompts): lengths of 24 to 56
+    tokens, some with stop strings, some with n = 2."""
+    chats = smollm2_prompts(tokenizer)
+    specs = []
+    for i in range(32):
+        prompt = chats[i % len(chats)][: len(chats[i % len(chats)]) - i // 8]
+        spec = {"prompt": prompt, "max_tokens": 24 + 8 * (i % 5), "n": 2 if i % 8 == 5 else 1}
+        if i % 4 == 3:
+            spec["stop"] = [". ", "\n\n"]
+        specs.append(spec)
+    return specs
+
+
+def expected_completions(llm, specs: list[dict]) -> list[list[str]]:
+    """Each request's choices' texts from an in-process engine."""
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=s["max_tokens"],
+            n=s["n"],
+            stop=s.get("stop"),
+            ignore_eos=True,
+        )  # fmt: skip
+        for s in specs
+    ]
+    outputs = llm.generate([{"prompt_token_ids": s["prompt"]} for s in specs], params,
+                           use_tqdm=False)  # fmt: skip
+    return [[c.text for c in o.outputs] for o in outputs]
+
+
+class CompletionsInFlight:
+    """The requests of `specs` sent at once to a server's /v1/completions through the
+    openai client, each on a thread, the odd ones streamed (choices put together from their
+    chunks); `streamed` counts the chunks so far."""
+
+    def __init__(self, base: str, specs: list[dict]) -> None:
+        import threading
+
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        self.texts: list[list[str] | None] = [None] * len(specs)
+        self.streamed = 0
+        self.threads = [
+            threading.Thread(target=self._run, args=(i, spec)) for i, spec in enumerate(specs)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, i: int, spec: dict) -> None:
+        args = dict(model="smollm2", prompt=spec["prompt"], max_tokens=spec["max_tokens"],
+                    n=spec["n"], stop=spec.get("stop"), temperature=0,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+        if i % 2:
+            pieces: list[list[str]] = [[] for _ in range(spec["n"])]
+            for chunk in self.client.completions.create(stream=True, **args):
+                for choice in chunk.choices:
+                    pieces[choice.index].append(choice.text)
+                self.streamed += 1
+            self.texts[i] = ["".join(p) for p in pieces]
+        else:
+            choices = self.client.completions.create(**args).choices
+            self.texts[i] = [c.text for c in sorted(choices, key=lambda c: c.index)]
+
+    def wait_for_chunks(self, count: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.streamed < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def join(self, timeout: float = 600.0) -> list[list[str] | None]:
+        for thread in self.threads:
+            thread.join(timeout)
+        return self.texts

@@ -13,17 +13,18 @@ import signal
 import threading
 import time
 
-import openai
 import psutil
 import pytest
 from helpers import (
+    CompletionsInFlight,
     assert_same,
+    expected_completions,
     free_port_pair,
     httpx,
+    mixed_completions,
     mixed_requests,
     running_daemon,
     running_server,
-    smollm2_prompts,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
@@ -100,48 +101,16 @@ def metric_values(base: str) -> dict[tuple[str, str], float]:
 
 
 def test_server_keeps_serving_when_a_rank_is_killed(smollm2_path: str, smollm2_llm) -> None:
-    """32 greedy completions, half of them streamed, through a DP=2 server; rank 1's core is
-    killed (SIGKILL) while they run."""
-    tokenizer = smollm2_llm.get_tokenizer()
-    chats = smollm2_prompts(tokenizer)
-    prompts = [chats[i % len(chats)][: len(chats[i % len(chats)]) - i // 8] for i in range(32)]
-    lengths = [24 + 8 * (i % 5) for i in range(32)]
-    expected = [
-        o.outputs[0].text
-        for o in smollm2_llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths],
-            use_tqdm=False,
-        )
-    ]
-    extra = ("--data-parallel-size", "2")
-    with running_server(smollm2_path, *extra) as (_, base):
+    """32 greedy completions (stop strings, n = 2, half of them streamed) through a DP=2
+    server; rank 1's core is killed (SIGKILL) while they run."""
+    specs = mixed_completions(smollm2_llm.get_tokenizer())
+    expected = expected_completions(smollm2_llm, specs)
+    with running_server(smollm2_path, "--data-parallel-size", "2") as (_, base):
         health = httpx.get(f"{base}/health", timeout=10).json()
         assert health["status"] == "ok"
         victim = health["data_parallel"]["ranks"][1]["pid"]
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        texts: list[str | None] = [None] * 32
-        streamed_tokens = 0
-
-        def run(i: int) -> None:
-            nonlocal streamed_tokens
-            args = dict(model="smollm2", prompt=prompts[i], max_tokens=lengths[i],
-                        temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-            if i % 2:
-                pieces = []
-                for chunk in client.completions.create(stream=True, **args):
-                    pieces.append(chunk.choices[0].text)
-                    streamed_tokens += 1
-                texts[i] = "".join(pieces)
-            else:
-                texts[i] = client.completions.create(**args).choices[0].text
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 120
-        while streamed_tokens < 64 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        load = CompletionsInFlight(base, specs)
+        load.wait_for_chunks(64)
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
         while time.monotonic() - killed < 5:
@@ -150,12 +119,11 @@ def test_server_keeps_serving_when_a_rank_is_killed(smollm2_path: str, smollm2_l
                 break
             time.sleep(0.1)
         assert ranks[1]["state"] == "down", ranks  # noticed within 5 s
-        for thread in threads:
-            thread.join(600)
-        assert texts == expected  # streamed ones too: no piece repeated or missing
+        assert load.join() == expected  # streamed ones too: no piece repeated or missing
 
-        more = client.completions.create(model="smollm2", prompt=prompts[0], max_tokens=8,
-                                         temperature=0)  # fmt: skip
+        client = load.client
+        more = client.completions.create(model="smollm2", prompt=specs[0]["prompt"],
+                                         max_tokens=8, temperature=0)  # fmt: skip
         assert more.usage.completion_tokens > 0
         health = httpx.get(f"{base}/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "degraded"

@@ -14,12 +14,14 @@ import time
 
 import pytest
 from helpers import (
+    CompletionsInFlight,
     assert_same,
+    expected_completions,
     httpx,
+    mixed_completions,
     mixed_requests,
     require_ray,
     running_server,
-    smollm2_prompts,
 )
 from transformers import AutoTokenizer
 
@@ -149,49 +151,17 @@ def test_ray_dp2_equals_one_engine_through_llm_and_async_llm(
 def test_server_survives_a_removed_node_and_the_rank_comes_back(
     cluster, smollm2_path: str, smollm2_llm
 ) -> None:
-    """32 greedy completions, half streamed, through a DP=2 server on Ray; the node of rank
-    1 is removed while they run."""
-    import openai
-
+    """32 greedy completions (stop strings, n = 2, half streamed) through a DP=2 server on
+    Ray; the node of rank 1 is removed while they run."""
     ray_cluster, nodes = cluster
-    chats = smollm2_prompts(smollm2_llm.get_tokenizer())
-    prompts = [chats[i % len(chats)][: len(chats[i % len(chats)]) - i // 8] for i in range(32)]
-    lengths = [24 + 8 * (i % 5) for i in range(32)]
-    expected = [
-        o.outputs[0].text
-        for o in smollm2_llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths],
-            use_tqdm=False,
-        )
-    ]
+    specs = mixed_completions(smollm2_llm.get_tokenizer())
+    expected = expected_completions(smollm2_llm, specs)
     extra = ("--data-parallel-size", "2", "--data-parallel-backend", "ray")
     with running_server(smollm2_path, *extra) as (_, base):
         ranks = httpx.get(f"{base}/health", timeout=10).json()["data_parallel"]["ranks"]
         victim = next(n for n in nodes if n.node_id == ranks[1]["node_id"])
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        texts: list[str | None] = [None] * 32
-        streamed = 0
-
-        def run(i: int) -> None:
-            nonlocal streamed
-            args = dict(model="smollm2", prompt=prompts[i], max_tokens=lengths[i],
-                        temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-            if i % 2:
-                pieces = []
-                for chunk in client.completions.create(stream=True, **args):
-                    pieces.append(chunk.choices[0].text)
-                    streamed += 1
-                texts[i] = "".join(pieces)
-            else:
-                texts[i] = client.completions.create(**args).choices[0].text
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 120
-        while streamed < 64 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        load = CompletionsInFlight(base, specs)
+        load.wait_for_chunks(64)
         ray_cluster.remove_node(victim)
         removed = time.monotonic()
         seen_down = False
@@ -200,9 +170,7 @@ def test_server_survives_a_removed_node_and_the_rank_comes_back(
             seen_down = status["rank_failures"] == 1
             time.sleep(0.1)
         assert seen_down, status  # noticed within 5 s
-        for thread in threads:
-            thread.join(600)
-        assert texts == expected  # streamed ones too: no piece repeated or missing
+        assert load.join() == expected  # streamed ones too: no piece repeated or missing
         # Rank 1 is started again on the node that is left, and serves.
         deadline = time.monotonic() + 120
         while True:
@@ -215,7 +183,8 @@ def test_server_survives_a_removed_node_and_the_rank_comes_back(
         assert status["rank_failures"] == 1 and status["resubmitted_requests"] > 0
         assert {r["node_id"] for r in status["ranks"]} == {ranks[0]["node_id"]}
         again = [
-            client.completions.create(model="smollm2", prompt=p, max_tokens=8, temperature=0)
-            for p in prompts[:6]
-        ]
+            load.client.completions.create(model="smollm2", prompt=s["prompt"], max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})
+            for s in specs[:6]
+        ]  # fmt: skip
         assert all(r.usage.completion_tokens == 8 for r in again)
