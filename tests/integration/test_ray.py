@@ -23,6 +23,7 @@ from helpers import (
     require_ray,
     running_server,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from tokenmill import LLM, AsyncLLM, SamplingParams
@@ -181,6 +182,15 @@ def test_server_survives_a_removed_node_and_the_rank_comes_back(
             time.sleep(0.2)
         status = health["data_parallel"]
         assert status["rank_failures"] == 1 and status["resubmitted_requests"] > 0
+        metrics = {
+            (sample.name, sample.labels.get("engine", "")): sample.value
+            for family in text_string_to_metric_families(
+                httpx.get(f"{base}/metrics", timeout=10).text
+            )
+            for sample in family.samples
+        }
+        assert metrics[("tokenmill:data_parallel_rank_failures_total", "")] == 1
+        assert metrics[("tokenmill:engine_up", "1")] == 1  # back up
         assert {r["node_id"] for r in status["ranks"]} == {ranks[0]["node_id"]}
         again = [
             load.client.completions.create(model="smollm2", prompt=s["prompt"], max_tokens=8,
