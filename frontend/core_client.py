@@ -671,9 +671,14 @@ class AsyncMPClient(MPClient):
             del self.utility_futures[call_id]
         return _utility_value(method, result)
 
-    def shutdown(self) -> None:
+    def stop_receiving(self) -> None:
+        """Cancels the client's tasks (from the loop's thread, or with no loop running)."""
         for task in self.tasks:
             task.cancel()
+        self.tasks = []
+
+    def shutdown(self) -> None:
+        self.stop_receiving()
         super().shutdown()
 
 

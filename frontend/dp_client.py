@@ -258,7 +258,7 @@ class _DataParallel:
         rank.load.record.clear()
         logger.error("data-parallel rank %d is down (%s); %d unfinished requests move to the "
                      "other ranks", rank.index, cause, len(moved))  # fmt: skip
-        threading.Thread(target=client.shutdown, daemon=True, name="dp-rank-stop").start()
+        self._retire(client)
         self.launcher.lost(rank.index)
         restarts = self.launcher.restarts(rank.index)
         if not self._live() and not any(self.launcher.restarts(r.index) for r in self.ranks):
@@ -269,6 +269,15 @@ class _DataParallel:
         if restarts:
             threading.Thread(target=self._restart, args=(rank.index,), daemon=True,
                              name=f"dp-restart-{rank.index}").start()  # fmt: skip
+
+    @staticmethod
+    def _retire(client: Any) -> None:
+        """Shuts a rank's client down without waiting: its asyncio tasks are cancelled here
+        (on the loop's thread), the rest (stopping a core, up to seconds) on a thread."""
+        stop_receiving = getattr(client, "stop_receiving", None)
+        if stop_receiving is not None:
+            stop_receiving()
+        threading.Thread(target=client.shutdown, daemon=True, name="dp-rank-stop").start()
 
     def _restart(self, index: int) -> None:
         """Brings a lost rank back (a new Ray actor, a headless daemon registering again)
@@ -349,6 +358,10 @@ class _DataParallel:
                 rank.up, rank.client = False, None
             if self.dead is None:
                 self.dead = "the client was shut down"
+        for client in clients:  # an asyncio client's tasks end on the loop's thread
+            stop_receiving = getattr(client, "stop_receiving", None)
+            if stop_receiving is not None:
+                stop_receiving()
         threads = [threading.Thread(target=c.shutdown, daemon=True) for c in clients]
         for thread in threads:
             thread.start()
