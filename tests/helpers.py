@@ -3,6 +3,7 @@ free ports, and finding (and waiting out) tokenmill processes."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 import subprocess
@@ -161,34 +162,27 @@ def kill_all(processes: list[psutil.Process]) -> None:
 
 
 def require_ray():
-    """Imports ray, or skips the test (fails it under CI=true: `make test` installs it)."""
-    import os
-
-    import pytest
-
-    try:
-        import ray
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            pytest.fail("ray is not installed, and CI must run the Ray tests")
-        pytest.skip("ray is not installed (pip install 'tokenmill[ray]')")
-    return ray
+    return _require("ray", "pip install 'tokenmill[ray]'")
 
 
 def require_triton():
-    """Imports triton, or skips the test (fails it under CI=true, where triton must be
-    installed: `make test` installs it)."""
+    return _require("triton", "pip install triton==3.9.0 runs it on the CPU")
+
+
+def _require(module: str, how: str):
+    """Imports `module`, or skips the test (fails it under CI=true, where `make test` has
+    installed it)."""
+    import importlib
     import os
 
     import pytest
 
     try:
-        import triton
+        return importlib.import_module(module)
     except ImportError:
         if os.environ.get("CI") == "true":
-            pytest.fail("triton is not installed, and CI must run the Triton tests")
-        pytest.skip("triton is not installed (pip install triton==3.9.0 runs it on the CPU)")
-    return triton
+            pytest.fail(f"{module} is not installed, and CI must run the tests that need it")
+        pytest.skip(f"{module} is not installed ({how})")
 
 
 @contextmanager
@@ -466,3 +460,21 @@ class CompletionsInFlight:
         for thread in self.threads:
             thread.join(timeout)
         return self.texts
+
+
+async def generate_async(model, engine_args: dict, prompts: list, params: list) -> list:
+    """Every request's final output from an AsyncLLM built here (all requests at once)."""
+    from tokenmill import AsyncLLM
+
+    engine = AsyncLLM(model, **engine_args)
+    try:
+
+        async def one(i: int):
+            final = None
+            async for out in engine.generate(prompts[i], params[i], request_id=str(i)):
+                final = out
+            return final
+
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    finally:
+        engine.shutdown()

@@ -20,6 +20,7 @@ from helpers import (
     assert_same,
     expected_completions,
     free_port_pair,
+    generate_async,
     httpx,
     mixed_completions,
     mixed_requests,
@@ -29,7 +30,7 @@ from helpers import (
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from tokenmill import LLM, AsyncLLM, SamplingParams
+from tokenmill import LLM, SamplingParams
 from tokenmill.frontend.dp_ranks import Registry
 from tokenmill.frontend.dp_router import PrefixRecord, RankLoad, Router
 from tokenmill.protocol.messages import SchedulerStats
@@ -72,22 +73,8 @@ def test_llm_dp2_equals_one_engine(smollm2_path: str, mixed) -> None:
 def test_async_llm_dp2_equals_one_engine(smollm2_path: str, mixed) -> None:
     prompts, params, expected = mixed
 
-    async def main() -> list:
-        engine = AsyncLLM(smollm2_path, data_parallel_size=2, data_parallel_routing="load",
-                          **ENGINE)  # fmt: skip
-        try:
-
-            async def one(i: int):
-                final = None
-                async for out in engine.generate(prompts[i], params[i], request_id=str(i)):
-                    final = out
-                return final
-
-            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        finally:
-            engine.shutdown()
-
-    assert_same(expected, asyncio.run(main()))
+    engine_args = dict(data_parallel_size=2, data_parallel_routing="load", **ENGINE)
+    assert_same(expected, asyncio.run(generate_async(smollm2_path, engine_args, prompts, params)))
 
 
 def metric_values(base: str) -> dict[tuple[str, str], float]:

@@ -17,6 +17,7 @@ from helpers import (
     CompletionsInFlight,
     assert_same,
     expected_completions,
+    generate_async,
     httpx,
     mixed_completions,
     mixed_requests,
@@ -26,7 +27,7 @@ from helpers import (
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from tokenmill import LLM, AsyncLLM, SamplingParams
+from tokenmill import LLM, SamplingParams
 
 ray = require_ray()
 pytestmark = pytest.mark.slow
@@ -131,22 +132,8 @@ def test_ray_dp2_equals_one_engine_through_llm_and_async_llm(
     assert_same(expected, outputs)
     assert len({r["node_id"] for r in ranks}) == 2  # spread over the nodes
 
-    async def main() -> list:
-        engine = AsyncLLM(smollm2_path, data_parallel_size=2, data_parallel_backend="ray",
-                          **ENGINE)  # fmt: skip
-        try:
-
-            async def one(i: int):
-                final = None
-                async for out in engine.generate(prompts[i], params[i], request_id=str(i)):
-                    final = out
-                return final
-
-            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        finally:
-            engine.shutdown()
-
-    assert_same(expected, asyncio.run(main()))
+    engine_args = dict(data_parallel_size=2, data_parallel_backend="ray", **ENGINE)
+    assert_same(expected, asyncio.run(generate_async(smollm2_path, engine_args, prompts, params)))
 
 
 def test_server_survives_a_removed_node_and_the_rank_comes_back(
