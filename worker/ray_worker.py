@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import msgspec
 
@@ -27,6 +28,14 @@ class RayWorker:
         import ray
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def free_port(self) -> int:
+        """A port free on this node (rank 0's: where the rendezvous listens)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return s.getsockname()[1]
 
     def serve(
         self,

@@ -6,8 +6,8 @@ started on this machine with `ray start`) or starts a local one, reserves a plac
 of one bundle per rank (TOKENMILL_RAY_WORKER_CPUS CPUs each, and a GPU on CUDA; PACK, so
 ranks share nodes where they fit), and starts a worker actor in each (worker/ray_worker.py).
 Ranks are numbered so that those on this node come first: rank 0, which hosts the
-torch.distributed rendezvous, is on the core's node, whose IP is the rendezvous address
-(gloo on the CPU, nccl on CUDA). Calls and replies travel as in the multiprocess executor (one
+torch.distributed rendezvous, is on the core's node where any rank is, and the rendezvous
+address is rank 0's node's IP and a port free there (gloo on the CPU, nccl on CUDA). Calls and replies travel as in the multiprocess executor (one
 msgspec encoding per call, pushed to every rank), but over TCP on this node's IP, as CURVE:
 the executor's sockets accept only the client key its actors were given, and everything is
 encrypted. A worker whose actor dies (killed, its node lost) is noticed through its `serve`
@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -95,7 +94,8 @@ class RayExecutor(MultiprocExecutor):
         self.actors = [actors[i] for i in order]
         self.places = [places[i] for i in order]
         self.stop_actors = functools.partial(_kill_actors, ray, self.actors)
-        init_method = f"tcp://{self.ip}:{_free_port(self.ip)}"
+        # Rank 0 hosts the rendezvous: on its node's IP (this node's when a rank is here).
+        init_method = f"tcp://{self.places[0][1]}:{ray.get(self.actors[0].free_port.remote())}"
         config_json = msgspec.json.encode(self.config)
         client = self.curve.for_client()
         keys = (client.server_public, client.client_public, client.client_secret)
@@ -151,12 +151,6 @@ _FORWARDED_ENV = (
     "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PYTHONHASHSEED", "HF_HUB_OFFLINE",
     "TRITON_INTERPRET", "TOKENMILL_CPU_KVCACHE_SPACE", "TOKENMILL_CPU_KV_FRACTION",
 )  # fmt: skip
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_actor_exit(ray: Any, refs: list, stop: threading.Event) -> int | None:
