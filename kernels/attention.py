@@ -112,6 +112,8 @@ def _paged_attention_kernel(
     tile_req_ptr,
     tile_q_ptr,
     scale,
+    window,  # HAS_WINDOW: a query at p sees keys p - window < k <= p
+    softcap,  # HAS_SOFTCAP: scores -> softcap * tanh(scores / softcap)
     split_first,  # SPLIT: the first token row the partial buffers cover
     stride_q_t,
     stride_q_h,
@@ -134,6 +136,8 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,14 +167,18 @@ def _paged_attention_kernel(
     if FP32_DOT:
         q = q.to(tl.float32)
 
-    # Keys this tile may see: up to its last token's position (causal), then this split's part.
+    # Keys this tile may see: up to its last token's position (causal), from its first
+    # token's window (whole blocks of keys before it are skipped), then this split's part.
     kv_end = tl.minimum(seq_len, context + q_first + BLOCK_Q)
+    kv_begin = 0
+    if HAS_WINDOW:
+        kv_begin = tl.maximum(context + q_first - window + 1, 0) // BLOCK_N * BLOCK_N
     if SPLIT:
-        part = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        start = split * part
+        part = tl.cdiv(tl.cdiv(kv_end - kv_begin, num_splits), BLOCK_N) * BLOCK_N
+        start = kv_begin + split * part
         stop = tl.minimum(kv_end, start + part)
     else:
-        start = 0
+        start = kv_begin
         stop = kv_end
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -191,7 +199,11 @@ def _paged_attention_kernel(
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale
         else:
             s = tl.dot(q, k) * scale
+        if HAS_SOFTCAP:  # tanh(x) = 2 / (1 + exp(-2x)) - 1, finite at both ends
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
@@ -294,6 +306,8 @@ def paged_attention(
     split_tokens: tuple[int, int] = (0, 0),
     split_scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Attends the query tiles (request `tile_req[i]`'s tokens from its `tile_q[i]`-th new
     one, `block_q` of them) to their paged context; writes those tokens' rows of `out`
@@ -303,7 +317,10 @@ def paged_attention(
     tiles' tokens must then be the rows `split_tokens = (first, count)` of the batch (the
     decodes); `split_scratch` = (partial outputs [count, heads, num_splits, d], their
     log-sum-exp [count, heads, num_splits]), fp32, may be given to be reused across layers.
-    `block_n`: keys per iteration (default: 64; 32 for fp32 on a GPU, see FP32_DOT)."""
+    `block_n`: keys per iteration (default: 64; 32 for fp32 on a GPU, see FP32_DOT).
+    `window`: sliding-window attention (a query at p sees keys p - window < k <= p; blocks of
+    keys wholly before a tile's window are not read). `softcap`: scores become
+    softcap * tanh(scores / softcap) (Gemma 2's attention logit soft-capping)."""
     num_tiles = tile_req.shape[0]
     if num_tiles == 0:
         return
@@ -337,6 +354,8 @@ def paged_attention(
         tile_req,
         tile_q,
         scale,
+        window or 0,
+        softcap or 0.0,
         first,
         query.stride(0),
         query.stride(1),
@@ -359,6 +378,8 @@ def paged_attention(
         BLOCK_SIZE=kv_cache.shape[2],
         SPLIT=split,
         FP32_DOT=fp32_dot,
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
     if split:
         rows = count * num_heads

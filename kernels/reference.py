@@ -27,11 +27,15 @@ def paged_attention(
     seq_lens: list[int],
     query_lens: list[int],
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch whose K/V already sit in the paged cache.
 
     query: [T, heads, d], the requests' new tokens back to back (query_lens of them each);
-    request r's queries are the last query_lens[r] of its seq_lens[r] positions.
+    request r's queries are the last query_lens[r] of its seq_lens[r] positions. `window`:
+    a query at position p sees only keys p - window < k <= p (sliding-window attention).
+    `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
     Returns [T, heads, d].
     """
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -48,8 +52,13 @@ def paged_attention(
         for h in range(num_heads):
             kv_head = h // group
             scores = (q[:, h] @ keys[:, kv_head].T) * scale  # [Q, S]
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-            scores = scores.masked_fill(positions[None, :] > q_pos, float("-inf"))
+            hidden = positions[None, :] > q_pos
+            if window is not None:
+                hidden |= positions[None, :] <= q_pos - window
+            scores = scores.masked_fill(hidden, float("-inf"))
             out[start : start + q_len, h] = (scores.softmax(-1) @ values[:, kv_head]).to(out.dtype)
         start += q_len
     return out.reshape(-1, num_heads, head_size)

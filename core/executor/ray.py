@@ -7,8 +7,9 @@ of one bundle per rank (TOKENMILL_RAY_WORKER_CPUS CPUs each, and a GPU on CUDA; 
 ranks share nodes where they fit), and starts a worker actor in each (worker/ray_worker.py).
 Ranks are numbered so that those on this node come first: rank 0, which hosts the
 torch.distributed rendezvous, is on the core's node where any rank is, and the rendezvous
-address is rank 0's node's IP and a port free there (gloo on the CPU, nccl on CUDA). Calls and replies travel as in the multiprocess executor (one
-msgspec encoding per call, pushed to every rank), but over TCP on this node's IP, as CURVE:
+address is rank 0's node's IP and a port free there (gloo on the CPU, nccl on CUDA). Calls
+and replies travel as in the multiprocess executor (one msgspec encoding per call, pushed to
+every rank), but over TCP on this node's IP, as CURVE:
 the executor's sockets accept only the client key its actors were given, and everything is
 encrypted. A worker whose actor dies (killed, its node lost) is noticed through its `serve`
 call's result, which Ray fails at once: the executor fails naming the rank and its node.

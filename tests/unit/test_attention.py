@@ -51,9 +51,14 @@ def make_batch(query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size
     return tables, cache, slot_mapping, block_table, g
 
 
+@pytest.mark.parametrize("window, softcap", [(None, None), (6, None), (None, 2.5), (9, 3.0)])
 @pytest.mark.parametrize("group_blocks", [None, 12])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_torch_backend_matches_reference(heads: int, kv_heads: int, group_blocks) -> None:
+def test_torch_backend_matches_reference(
+    heads: int, kv_heads: int, group_blocks, window, softcap
+) -> None:
+    """With a sliding window (shorter than most contexts, and than the fresh 7-token prompt)
+    and Gemma 2's soft-capping too."""
     block_size, head_size, num_blocks = 4, 16, 200
     # Decodes first (in unsorted, ragged contexts of up to 10 blocks: with a 12-block group
     # limit they form groups of one to three), then prefill chunks with and without earlier
@@ -73,7 +78,10 @@ def test_torch_backend_matches_reference(heads: int, kv_heads: int, group_blocks
 
     ref_cache = cache.clone()
     write_kv_cache(ref_cache, k, v, torch.from_numpy(slot_mapping))
-    expected = paged_attention(q, ref_cache, tables, seq_lens, query_lens, scale)
+    expected = paged_attention(q, ref_cache, tables, seq_lens, query_lens, scale, window, softcap)
+    if window is not None or softcap is not None:  # they change the result
+        plain = paged_attention(q, ref_cache, tables, seq_lens, query_lens, scale)
+        assert (plain - expected).abs().max() > 1e-3
 
     page_bytes = 2 * block_size * kv_heads * head_size * 4
     backend = TorchAttentionBackend(
@@ -99,11 +107,11 @@ def test_torch_backend_matches_reference(heads: int, kv_heads: int, group_blocks
         assert all(gr.size * gr.num_blocks <= group_blocks for gr in meta.decode_groups)
     assert sum(gr.size for gr in meta.decode_groups) == num_decodes
     first_cache = cache.clone()
-    out = backend.forward(q, k, v, cache, meta, scale)
+    out = backend.forward(q, k, v, cache, meta, scale, window, softcap)
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     # A second layer reuses the scratch copies of the first.
-    again = backend.forward(q, k, v, first_cache, meta, scale)
+    again = backend.forward(q, k, v, first_cache, meta, scale, window, softcap)
     torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 

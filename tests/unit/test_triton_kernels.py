@@ -122,6 +122,49 @@ def test_cache_write_and_attention_match_reference(heads, kv_heads, head_size, b
         assert rel_error(out, expected) < TOLERANCE[dtype], num_splits
 
 
+@pytest.mark.parametrize(
+    "window, softcap, block_size",
+    [(5, None, 16), (16, None, 16), (40, None, 8), (None, 3.0, 16), (24, 2.0, 16)],
+)
+def test_sliding_window_and_softcap_match_reference(window, softcap, block_size) -> None:
+    """Decodes (whole and split), a chunked prefill and a fresh prompt, with windows shorter
+    than, equal to and longer than one block of keys, and Gemma 2's logit soft-capping; the
+    kernel skips blocks before a tile's window."""
+    heads, kv_heads, head_size = 4, 2, 32
+    query_lens, seq_lens = [1, 1, 13, 29], [150, 9, 90, 29]
+    tables, cache, slots, block_table, g = paged_batch(
+        query_lens, seq_lens, block_size, kv_heads, head_size, torch.float32, seed=3
+    )
+    total = sum(query_lens)
+    query = torch.randn(total, heads, head_size, generator=g) * 2
+    key = torch.randn(total, kv_heads, head_size, generator=g)
+    value = torch.randn(total, kv_heads, head_size, generator=g)
+    write_kv_cache(cache, key, value, slots)
+    expected = reference_attention(query, cache, tables, seq_lens, query_lens, 0.25,
+                                   window=window, softcap=softcap)  # fmt: skip
+    query_start = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = [x.to(DEVICE) for x in (cache, block_table, torch.tensor(seq_lens, dtype=torch.int32),
+                                   query_start)]  # fmt: skip
+    for num_splits in (1, 3):
+        out = poisoned(query)
+        dec_req, dec_q = tiles(query_lens[:2], 1)
+        triton_attention.paged_attention(
+            out, query.to(DEVICE), *args, dec_req.to(DEVICE), dec_q.to(DEVICE), block_q=1,
+            scale=0.25, num_splits=num_splits, split_tokens=(0, 2), block_n=16,
+            window=window, softcap=softcap,
+        )  # fmt: skip
+        pre_req, pre_q = tiles(query_lens, 8, first_req=2)
+        triton_attention.paged_attention(
+            out, query.to(DEVICE), *args, pre_req.to(DEVICE), pre_q.to(DEVICE), block_q=8,
+            scale=0.25, block_n=16, window=window, softcap=softcap,
+        )  # fmt: skip
+        assert rel_error(out, expected) < TOLERANCE[torch.float32], num_splits
+    if window is not None:  # the window changes the result (it was applied)
+        full = reference_attention(query, cache, tables, seq_lens, query_lens, 0.25,
+                                   softcap=softcap)  # fmt: skip
+        assert rel_error(full, expected) > 0.01
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_decodes_split_across_programs(dtype) -> None:
     # Contexts of 100-300 tokens cut into 2..8 parts; a padded row (seq_len 0) stays finite.

@@ -46,5 +46,10 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         metadata: Any,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """query [T, heads, d], key/value [T, kv_heads, d] -> output [T, heads, d]."""
+        """query [T, heads, d], key/value [T, kv_heads, d] -> output [T, heads, d].
+        A layer's own settings: `window` (sliding-window attention: a query at position p
+        sees keys p - window < k <= p) and `softcap` (scores -> softcap * tanh(scores /
+        softcap) before the softmax)."""

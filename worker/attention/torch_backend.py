@@ -9,10 +9,14 @@ group's copies are kept small enough to stay in the core caches until SDPA reads
 CPU_DECODE_GROUP_BYTES); on a GPU all decodes go in one group. Prefill chunks run one
 request at a time; a chunk with no earlier context attends to its own K/V directly.
 The KV cache is zeroed when it is allocated, so padded reads never meet non-finite values.
+A layer's sliding window is a mask (built once per step and window, for the layers that
+share it); soft-capped scores (Gemma 2) go through plain ops instead of SDPA, which has no
+such option.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -77,6 +81,20 @@ class DecodeGroup:
     num_blocks: int  # blocks per request in this group (its longest context, rounded up)
     block_ids: torch.Tensor  # [size * num_blocks] the group's block table rows, back to back
     mask: torch.Tensor  # [size, 1, 1, num_blocks * block_size]: 0 attended, -inf padding
+    seq_lens: torch.Tensor  # [size] the requests' context lengths
+    # Masks that also hide keys outside a sliding window, by window (made when first used).
+    window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask_for(self, window: int | None, block_size: int) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            pos = torch.arange(self.num_blocks * block_size, device=self.mask.device)
+            early = pos[None, :] <= self.seq_lens[:, None] - 1 - window
+            mask = self.mask.masked_fill(early[:, None, None, :], float("-inf"))
+            self.window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -94,6 +112,7 @@ class TorchAttentionMetadata:
     decode_groups: list[DecodeGroup]
     max_group_blocks: int  # the most blocks one decode group copies
     prefills: list[PrefillSpan]
+    block_size: int
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -156,7 +175,9 @@ class TorchAttentionBackend(AttentionBackend):
             padding = torch.arange(w * bs, device=device)[None, :] >= seq_lens_t[f : f + n, None]
             mask = torch.zeros(padding.shape, dtype=inputs.dtype, device=device)
             mask.masked_fill_(padding, float("-inf"))
-            groups.append(DecodeGroup(f, n, w, next(pieces), mask[:, None, None, :]))
+            groups.append(
+                DecodeGroup(f, n, w, next(pieces), mask[:, None, None, :], seq_lens_t[f : f + n])
+            )
         max_group_blocks = max((g.size * g.num_blocks for g in groups), default=0)
 
         prefills = []
@@ -166,7 +187,9 @@ class TorchAttentionBackend(AttentionBackend):
             q_len, seq_len = int(inputs.query_lens[r]), int(inputs.seq_lens[r])
             prefills.append(PrefillSpan(start, start + q_len, seq_len, with_context.get(r)))
             start += q_len
-        return TorchAttentionMetadata(write_k_t, write_k_t + bs, groups, max_group_blocks, prefills)
+        return TorchAttentionMetadata(
+            write_k_t, write_k_t + bs, groups, max_group_blocks, prefills, bs
+        )
 
     def forward(
         self,
@@ -176,6 +199,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_size = key.shape[-2], key.shape[-1]
         # The memory-profiling run comes before the cache exists: it has no context to read.
@@ -197,26 +222,27 @@ class TorchAttentionBackend(AttentionBackend):
             v = v.view(g, -1, num_kv_heads, head_size).transpose(1, 2)
             # One query token per request: the heads sharing a KV head act as query rows.
             q = query[first : first + g].reshape(g, num_kv_heads, group_size, head_size)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+            mask = group.mask_for(window, metadata.block_size)
+            o = _attend(q, k, v, scale, softcap, mask)
             out[first : first + g] = o.view(g, -1, head_size)
         for span in metadata.prefills:
             n = span.end - span.start
             q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
+            s = span.seq_len
             if span.block_ids is None:
                 k, v = key[span.start : span.end], value[span.start : span.end]
-                mask = None
             else:
-                s = span.seq_len
                 k = key_blocks.index_select(0, span.block_ids).flatten(0, 1)[:s]
                 v = value_blocks.index_select(0, span.block_ids).flatten(0, 1)[:s]
-                q_pos = torch.arange(s - n, s, device=q.device)
-                mask = torch.arange(s, device=q.device)[None, :] <= q_pos[:, None]
+            mask = None  # causal over its own tokens
+            if span.block_ids is not None or (window is not None and window < n):
+                q_pos = torch.arange(s - n, s, device=q.device)[:, None]
+                k_pos = torch.arange(s, device=q.device)[None, :]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            # enable_gqa stays on the fused CPU kernel (bitwise equal to repeating the KV
-            # heads, without the copies).
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-            )
+            o = _attend(q, k, v, scale, softcap, mask, causal=mask is None)
             out[span.start : span.end] = o[0].transpose(0, 1)
         return out
 
@@ -240,3 +266,37 @@ class TorchAttentionBackend(AttentionBackend):
         ):
             buf = self._scratch = kv_cache.new_empty(shape)
         return buf[0], buf[1]
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    mask: torch.Tensor | None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """q [B, Hq, n, d], k/v [B, Hkv, s, d] -> [B, Hq, n, d]. mask: additive (float) or which
+    keys each query sees (bool); causal: over the last n of s positions. SDPA, or with
+    soft-capping the same in plain ops, in fp32."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        # enable_gqa stays on the fused CPU kernel (bitwise equal to repeating the KV heads,
+        # without the copies).
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if causal:
+        n, s = scores.shape[-2:]
+        mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(s - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else (
+            scores + mask.float()
+        )  # fmt: skip
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)

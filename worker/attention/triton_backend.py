@@ -138,20 +138,23 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         common = (kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start)
+        layer = dict(scale=scale, window=window, softcap=softcap)
         nd = metadata.num_decodes
         if nd:
             paged_attention(
-                out, query, *common, *metadata.decode_tiles, block_q=1, scale=scale,
+                out, query, *common, *metadata.decode_tiles, block_q=1,
                 num_splits=metadata.num_splits, split_tokens=(0, nd),
-                split_scratch=metadata.split_scratch,
+                split_scratch=metadata.split_scratch, **layer,
             )  # fmt: skip
         if metadata.prefill_tiles[0].shape[0]:
             paged_attention(
                 out, query, *common, *metadata.prefill_tiles,
-                block_q=self.prefill_block_q, scale=scale,
+                block_q=self.prefill_block_q, **layer,
             )  # fmt: skip
         return out

@@ -22,13 +22,19 @@ class Attention(nn.Module):
         num_kv_heads: int,
         scale: float,
         backend: AttentionBackend,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
+        """sliding_window: this layer's window (None: full attention); logit_softcap:
+        Gemma 2's attention-score soft-capping."""
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.kv_cache = torch.empty(0)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -42,5 +48,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads * d]."""
         metadata = get_forward_context().attn_metadata
-        out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        out = self.backend.forward(
+            q, k, v, self.kv_cache, metadata, self.scale, self.sliding_window, self.logit_softcap
+        )
         return out.reshape(out.shape[0], -1)
