@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from tokenmill.protocol.cpu_features import native_bf16
 from tokenmill.protocol.default_model import resolve_model
+from tokenmill.protocol.model_registry import check_architecture
 
 _DTYPES = {
     "float32": "float32",
@@ -67,11 +68,31 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v and o (Qwen2's q/k/v bias is its class's)
     mlp_bias: bool = False
+    # Sliding-window attention: every layer's kind ("full_attention" or
+    # "sliding_attention"; empty: all full) and the window of the sliding ones. Mistral's
+    # window covers every layer; Gemma 2 alternates; Gemma 3 has 5 local to 1 global.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    # The rope of the sliding layers where it differs from `rope_parameters` (Gemma 3's
+    # local base frequency).
+    sliding_rope_parameters: dict[str, Any] | None = None
+    # Gemma: attention scores scaled by query_pre_attn_scalar ** -0.5 (not head_size's), and
+    # Gemma 2's soft-capping of attention scores and of the final logits.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     skip_tokenizer_init: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
     # Sampling defaults from the model's generation_config.json (--generation-config), used
     # where a request leaves a field out: vLLM's names (max_new_tokens -> max_tokens).
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to the whole context)."""
+        return self.sliding_window if self.is_sliding(layer) else None
 
 
 @dataclass(frozen=True)
@@ -536,6 +557,7 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
     architectures = hf.get("architectures") or []
     if not architectures:
         raise ValueError(f"{path}/config.json names no `architectures`")
+    check_architecture(architectures[0], path)
     heads = text["num_attention_heads"]
     hidden = text["hidden_size"]
     max_pos = int(text.get("max_position_embeddings", 2048))
@@ -551,6 +573,8 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
             f"<= the model's max_position_embeddings ({max_pos})",
         )
     _check(args.seed >= 0, "seed", args.seed, "a non-negative integer")
+    layer_types, window = _sliding_layers(text)
+    rope, sliding_rope = _rope_parameters(text)
     return ModelConfig(
         model=path,
         tokenizer=resolve_model(args.tokenizer) if args.tokenizer else path,
@@ -568,11 +592,18 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
         max_position_embeddings=max_pos,
         eos_token_ids=_eos_token_ids(Path(path), text),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        hidden_act=text.get("hidden_act", "silu"),
-        rope_parameters=_rope_parameters(text),
+        # (Gemma names it hidden_activation)
+        hidden_act=text.get("hidden_activation") or text.get("hidden_act", "silu"),
+        rope_parameters=rope,
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
         attention_bias=bool(text.get("attention_bias", False)),
         mlp_bias=bool(text.get("mlp_bias", False)),
+        layer_types=layer_types,
+        sliding_window=window,
+        sliding_rope_parameters=sliding_rope,
+        query_pre_attn_scalar=_optional_float(text.get("query_pre_attn_scalar")),
+        attn_logit_softcapping=_optional_float(text.get("attn_logit_softcapping")),
+        final_logit_softcapping=_optional_float(text.get("final_logit_softcapping")),
         skip_tokenizer_init=args.skip_tokenizer_init,
         max_logprobs=args.max_logprobs,
         sampling_defaults=sampling_defaults(args.generation_config, path),
@@ -607,16 +638,47 @@ def sampling_defaults(generation_config: str, model_path: str) -> dict[str, Any]
     return {ours: data[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in data}
 
 
-def _rope_parameters(text: dict[str, Any]) -> dict[str, Any]:
-    """Transformers 5 keeps rope settings under `rope_parameters`; older configs use
-    `rope_theta` and `rope_scaling`."""
+def _rope_parameters(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the rope of full-attention layers, that of sliding ones where it differs).
+    Transformers 5 keeps rope settings under `rope_parameters`, per layer kind where they
+    differ (Gemma 3); older configs use `rope_theta`, `rope_scaling` and Gemma 3's
+    `rope_local_base_freq`."""
     params = dict(text.get("rope_parameters") or {})
-    if not params:
+    sliding = None
+    if "full_attention" in params:
+        sliding = _rope_kind(dict(params.get("sliding_attention") or params["full_attention"]))
+        params = dict(params["full_attention"])
+    elif not params:
         params = dict(text.get("rope_scaling") or {})
         params.setdefault("rope_theta", text.get("rope_theta", 10000.0))
+        if text.get("rope_local_base_freq") is not None:
+            sliding = {"rope_type": "default", "rope_theta": float(text["rope_local_base_freq"])}
+    return _rope_kind(params), sliding
+
+
+def _rope_kind(params: dict[str, Any]) -> dict[str, Any]:
     params.setdefault("rope_type", params.pop("type", "default"))
     params["rope_theta"] = float(params.get("rope_theta", 10000.0))
     return params
+
+
+def _sliding_layers(text: dict[str, Any]) -> tuple[tuple[str, ...], int | None]:
+    """(each layer's kind, the sliding window): a window covers every layer unless
+    `layer_types` says which (Gemma 2 and 3); `use_sliding_window: false` (Qwen2) or no
+    window leaves every layer full."""
+    window = text.get("sliding_window")
+    if not window or text.get("use_sliding_window") is False:
+        return (), None
+    kinds = text.get("layer_types")
+    if not kinds:
+        kinds = ["sliding_attention"] * text["num_hidden_layers"]
+    _check(len(kinds) == text["num_hidden_layers"], "layer_types", kinds,
+           f"one entry per layer ({text['num_hidden_layers']})")  # fmt: skip
+    return tuple(kinds), int(window)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:

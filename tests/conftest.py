@@ -49,6 +49,49 @@ TINY_CONFIGS = {
             sliding_window=None,
         ),
     ),
+    # Mistral's window, shorter than most test prompts: every layer attends to 24 keys.
+    "mistral-window": dict(
+        arch="MistralForCausalLM",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=24,
+        ),
+    ),
+    # Gemma 2: soft-capped attention and logits, a 24-token window on alternate layers,
+    # query_pre_attn_scalar unlike head_dim, tied embeddings.
+    "gemma2": dict(
+        arch="Gemma2ForCausalLM",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=24,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=4.0,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    # Gemma 3 (text): q/k norms, one local (24-token window, base 10k) and one global layer
+    # (base 1M).
+    "gemma3": dict(
+        arch="Gemma3ForCausalLM",
+        config="Gemma3TextConfig",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=24,
+            query_pre_attn_scalar=32,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        ),
+    ),
 }
 
 
@@ -58,7 +101,7 @@ def make_tiny_model(folder: Path, name: str, seed: int = 0) -> Path:
 
     spec = TINY_CONFIGS[name]
     arch = spec["arch"]
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, spec.get("config", arch.replace("ForCausalLM", "Config")))
     config = config_cls(
         vocab_size=512,
         hidden_size=64,

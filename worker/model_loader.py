@@ -114,7 +114,10 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.empty(param.shape, dtype=torch.float32)
-        if "norm" in name:
+        fill = getattr(param, "dummy_fill", None)  # (Gemma's norms hold w of 1 + w)
+        if fill is not None:
+            values.fill_(fill)
+        elif "norm" in name:
             values.fill_(1.0)
         else:
             values.uniform_(-0.05, 0.05, generator=generator)

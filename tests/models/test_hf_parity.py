@@ -57,7 +57,12 @@ def test_smollm2_greedy_matches_hf(smollm2_path: str, smollm2_llm: LLM) -> None:
     assert near_ties <= 1
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-tied", "qwen2", "qwen3", "mistral"])
+# (Prompts of up to 333 tokens: longer than the 24-token windows of mistral-window, gemma2 and
+# gemma3.)
+@pytest.mark.parametrize(
+    "name",
+    ["llama-gqa", "llama-tied", "qwen2", "qwen3", "mistral", "mistral-window", "gemma2", "gemma3"],
+)
 def test_random_model_greedy_matches_hf(tiny_model, name: str) -> None:
     path = tiny_model(name)
     generator = torch.Generator().manual_seed(1)
@@ -77,8 +82,15 @@ def test_random_model_greedy_matches_hf(tiny_model, name: str) -> None:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         llm.shutdown()
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf_model = hf_reference(path)
     assert compare_greedy(hf_model, prompts, [o.outputs[0].token_ids for o in outputs]) == 0
+
+
+def hf_reference(path):
+    """HF's fp32 model, with its eager attention (the one that soft-caps Gemma 2's scores)."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 @pytest.mark.slow

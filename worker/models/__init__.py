@@ -1,23 +1,16 @@
-"""The model registry: HF `architectures` names -> tokenmill model classes."""
+"""The model classes, by HF `architectures` name (the list lives in protocol/model_registry.py);
+a family's module is imported when a model of it is built."""
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
-from tokenmill.worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
+from tokenmill.protocol.model_registry import ARCHITECTURES, check_architecture
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
-    try:
-        return _MODELS[architecture]
-    except KeyError:
-        raise ValueError(
-            f"architecture {architecture!r} is not supported; supported: {sorted(_MODELS)}"
-        ) from None
+    check_architecture(architecture, "the model")
+    module, name = ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(f"tokenmill.worker.models.{module}"), name)

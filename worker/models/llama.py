@@ -1,5 +1,5 @@
-"""The Llama family: Llama and SmolLM2 (tied embeddings), Mistral, Qwen2 (q/k/v bias) and
-Qwen3 (per-head q/k RMSNorm, explicit head_dim).
+"""The Llama family: Llama and SmolLM2 (tied embeddings), Mistral (a sliding window on every
+layer), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim).
 
 Built from the typed `ModelConfig` (config.json is parsed once, in protocol/config.py);
 module and parameter names follow HF's so that the loader maps checkpoint names directly,
@@ -29,7 +29,12 @@ from tokenmill.worker.layers.rotary import RotaryEmbedding, StepRotation
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        qk_norm: bool,
+        layer: int,
     ) -> None:
         super().__init__()
         hidden, self.head_size = config.hidden_size, config.head_size
@@ -47,8 +52,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_size, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, eps) if qk_norm else None
         self.attn = Attention(
-            self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5, backend
-        )
+            self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5, backend,
+            sliding_window=config.window_of(layer),
+        )  # fmt: skip
 
     def forward(self, rope: StepRotation, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_size)
@@ -78,10 +84,15 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        qk_norm: bool,
+        layer: int,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, backend, qkv_bias, qk_norm, layer)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -109,8 +120,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, qkv_bias, qk_norm)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, qkv_bias, qk_norm, i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One table for every layer: all layers rotate by the same positions.
