@@ -7,6 +7,7 @@ tested against these. KV cache layout, one layer: `(num_blocks, 2, block_size, k
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv_cache(
@@ -62,3 +63,33 @@ def paged_attention(
             out[start : start + q_len, h] = (scores.softmax(-1) @ values[:, kv_head]).to(out.dtype)
         start += q_len
     return out.reshape(-1, num_heads, head_size)
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """A mixture-of-experts MLP (see kernels/fused_moe.py), grouped by expert: for each
+    expert with tokens, one matmul over its tokens (gathered), SiLU-and-mul, one matmul,
+    scaled by the routing weights and added into the tokens' rows (HF's order of
+    operations). x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, top_k] -> [T, H]."""
+    out = torch.zeros_like(x)
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    weights = topk_weights.reshape(-1)[order]
+    tokens = order // top_k
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        rows = tokens[start : start + count]
+        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[start : start + count, None]
+        out.index_add_(0, rows, y.to(x.dtype))
+        start += count
+    return out

@@ -81,6 +81,16 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral): experts per sparse layer (0: a dense model),
+    # experts per token, each expert's intermediate size, whether the top-k weights are
+    # renormalized, and which layers are sparse (every decoder_sparse_step-th, except
+    # mlp_only_layers, which keep a dense MLP of intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     skip_tokenizer_init: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
     # Sampling defaults from the model's generation_config.json (--generation-config), used
@@ -89,6 +99,14 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to the whole context)."""
@@ -604,6 +622,13 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
         query_pre_attn_scalar=_optional_float(text.get("query_pre_attn_scalar")),
         attn_logit_softcapping=_optional_float(text.get("attn_logit_softcapping")),
         final_logit_softcapping=_optional_float(text.get("final_logit_softcapping")),
+        # (Mixtral names them num_local_experts and intermediate_size)
+        num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0),
+        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or text["intermediate_size"]),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(text.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
         skip_tokenizer_init=args.skip_tokenizer_init,
         max_logprobs=args.max_logprobs,
         sampling_defaults=sampling_defaults(args.generation_config, path),

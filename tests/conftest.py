@@ -59,6 +59,35 @@ TINY_CONFIGS = {
             sliding_window=24,
         ),
     ),
+    # Qwen3-MoE: 8 experts of which 2 per token (renormalized), the second layer dense
+    # (mlp_only_layers), q/k norms.
+    "qwen3-moe": dict(
+        arch="Qwen3MoeForCausalLM",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Mixtral: top-2 of 4 experts (renormalized), every layer sparse.
+    "mixtral": dict(
+        arch="MixtralForCausalLM",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            sliding_window=None,
+        ),
+    ),
     # Gemma 2: soft-capped attention and logits, a 24-token window on alternate layers,
     # query_pre_attn_scalar unlike head_dim, tied embeddings.
     "gemma2": dict(

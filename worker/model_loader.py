@@ -11,6 +11,7 @@ shapes (drawn per rank, so they differ between tensor-parallel sizes).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Union
@@ -76,13 +77,34 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
                 yield name, CheckpointTensor(f, name)
 
 
+# A mixture-of-experts layer's per-expert tensors: ...experts.{expert}.{projection}.weight
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, Loaded]]) -> None:
+    """Checkpoint tensors into the model's parameters, by name. A model may rename parts of
+    the checkpoint's names (`checkpoint_renames`), stack experts' projections into one
+    parameter (`expert_projections`: checkpoint projection -> gate, up or down) and fuse
+    q/k/v and gate/up (`packed_modules_mapping`)."""
     params = dict(model.named_parameters())
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    renames: dict[str, str] = getattr(model, "checkpoint_renames", {})
+    experts: dict[str, str] = getattr(model, "expert_projections", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")):
+            continue
+        for theirs, ours in renames.items():
+            name = name.replace(theirs, ours)
+        expert = _EXPERT_TENSOR.search(name) if experts else None
+        if expert is not None and expert.group(2) in experts:
+            shard = experts[expert.group(2)]
+            target = name[: expert.start()] + (".experts.w2_weight" if shard == "down"
+                                                else ".experts.w13_weight")  # fmt: skip
+            param = _param(params, target, name)
+            param.weight_loader(param, tensor, shard, int(expert.group(1)))  # type: ignore[attr-defined]
+            loaded.add(target)
             continue
         for checkpoint_part, (fused_part, shard_id) in mapping.items():
             if f".{checkpoint_part}." in name:

@@ -1,6 +1,8 @@
 """The model families beyond Llama against HF transformers (fp32, CPU), on small random-weight
 models: Mistral with a window shorter than the prompts, Gemma 2 (soft-capping, alternating
-windows) and Gemma 3 (q/k norms, local and global layers with two rope bases). One forward's
+windows), Gemma 3 (q/k norms, local and global layers with two rope bases), and the mixtures
+of experts Qwen3-MoE (top-2 of 8, a dense layer among the sparse ones) and Mixtral (top-2 of
+4; TP=2 splits every expert's intermediate dimension). One forward's
 logits match HF's to 1e-4, and greedy generation equals HF's at TP=1 and TP=2 through chunked
 prefills and prefix-cache hits."""
 
@@ -16,7 +18,7 @@ from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import StepAttentionInputs
 from tokenmill.worker.forward_context import set_forward_context
 
-FAMILIES = ["mistral-window", "gemma2", "gemma3"]
+FAMILIES = ["mistral-window", "gemma2", "gemma3", "qwen3-moe", "mixtral"]
 
 
 def engine(path, **kwargs) -> LLM:

@@ -84,7 +84,8 @@ def run(
         llm.shutdown()
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma2"])  # q/k norms; windows, caps
+# qwen3: per-head q/k norms; gemma2: windows and soft-caps; qwen3-moe: the fused-MoE kernel.
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma2", "qwen3-moe"])
 def test_triton_engine_matches_torch_engine(tiny_model, monkeypatch, name: str) -> None:
     monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")  # in this process, to read the counters
     model = str(tiny_model(name))
@@ -97,6 +98,8 @@ def test_triton_engine_matches_torch_engine(tiny_model, monkeypatch, name: str) 
     assert stats["num_preemptions"] == torch_stats["num_preemptions"]
     # (Gemma's (1 + w) norms and GeGLU run as torch ops.)
     expected_kernels = KERNELS if not name.startswith("gemma") else KERNELS[:3] + KERNELS[4:5]
+    if name.endswith("moe"):
+        expected_kernels = [*expected_kernels, "fused_moe"]
     missing = [k for k in expected_kernels if LAUNCHES[k] == 0]
     assert not missing, f"kernels never launched: {missing} ({dict(LAUNCHES)})"
 

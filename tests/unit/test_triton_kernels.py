@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import require_triton
 
 from tokenmill.kernels.reference import paged_attention as reference_attention
@@ -279,3 +280,40 @@ def test_rejection_accept_and_recover_matches_torch(with_q) -> None:
     assert tokens.cpu().tolist() == expected[1].tolist()
     # Both outcomes occur: the comparison covers acceptance, rejection and the bonus.
     assert 0 < expected[0].sum() < counts.sum() and (expected[0] == torch.from_numpy(counts)).any()
+
+
+@pytest.mark.parametrize("num_experts, top_k, block_m", [(4, 2, 16), (8, 1, 16), (6, 3, 32)])
+def test_fused_moe_matches_reference(num_experts, top_k, block_m) -> None:
+    """Tokens sorted by expert and padded per expert to the block size; the grouped GEMMs
+    (gate/up, then down with the routing weights) against the per-expert torch path, with
+    an expert that gets no token and sizes that are no powers of two."""
+    from tokenmill.kernels.fused_moe import align_by_expert, fused_moe
+    from tokenmill.kernels.reference import fused_moe_reference
+
+    g = torch.Generator().manual_seed(num_experts)
+    tokens, hidden, inter = 13, 48, 40
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    logits = torch.randn(tokens, num_experts, generator=g)
+    logits[:, num_experts - 1] = -100.0  # the last expert is never chosen
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    sorted_ids, block_experts = align_by_expert(ids, num_experts, block_m)
+    assert sorted_ids.numel() == block_m * block_experts.numel()
+    blocks = sorted_ids.view(-1, block_m)
+    flat = ids.reshape(-1)
+    for block, expert in zip(blocks.tolist(), block_experts.tolist()):
+        real = [a for a in block if a < flat.numel()]
+        assert real and all(flat[a] == expert for a in real)  # one expert, padding last
+    assert sorted(a for a in sorted_ids.tolist() if a < flat.numel()) == list(range(flat.numel()))
+    expected = fused_moe_reference(x, w13, w2, weights, ids)
+    # The reference against the definition, token by token.
+    for t in range(tokens):
+        dense = sum(
+            weights[t, j] * (w2[e] @ (F.silu(w13[e, :inter] @ x[t]) * (w13[e, inter:] @ x[t])))
+            for j, e in enumerate(ids[t].tolist())
+        )
+        torch.testing.assert_close(expected[t], dense, rtol=1e-4, atol=1e-5)
+    out = fused_moe(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE),
+                    ids.to(DEVICE), block_m=block_m)  # fmt: skip
+    assert rel_error(out.cpu(), expected) < TOLERANCE[torch.float32]

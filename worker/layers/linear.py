@@ -188,6 +188,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         default_weight_loader(target, loaded.narrow(0, rank * size, size))
 
 
+class ReplicatedLinear(LinearBase):
+    """Whole on every rank (a mixture-of-experts router)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias, tp_dim=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(x, self.weight, self.bias)
+
+
 class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         in_per_rank = divide(in_features, get_tp_size(), "input features")

@@ -10,6 +10,8 @@ head on the rows that get sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -82,6 +84,9 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+MlpFactory = Callable[[ModelConfig, int], nn.Module]
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -90,10 +95,11 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         layer: int,
+        make_mlp: MlpFactory,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, qkv_bias, qk_norm, layer)
-        self.mlp = LlamaMLP(config)
+        self.mlp = make_mlp(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -115,12 +121,17 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_mlp: MlpFactory,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, qkv_bias, qk_norm, i)
+            LlamaDecoderLayer(config, backend, qkv_bias, qk_norm, i, make_mlp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -151,10 +162,14 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+        return LlamaMLP(config)
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         qkv_bias = self.qkv_bias or config.attention_bias
-        self.model = LlamaModel(config, backend, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, backend, qkv_bias, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
