@@ -69,6 +69,9 @@ class Request:
         # of its blocks are registered in the cache.
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
+        # Mixed into its first block's key: requests whose K/V are computed otherwise for
+        # the same tokens never share blocks (set by the engine; see EngineCore.add_request).
+        self.cache_salt = b""
         room = max_model_len - self.num_prompt_tokens
         max_tokens = self.sampling_params.max_tokens
         self.max_tokens = room if max_tokens is None else min(max_tokens, room)

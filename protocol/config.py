@@ -678,6 +678,10 @@ def _rope_parameters(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
         params.setdefault("rope_theta", text.get("rope_theta", 10000.0))
         if text.get("rope_local_base_freq") is not None:
             sliding = {"rope_type": "default", "rope_theta": float(text["rope_local_base_freq"])}
+    # (Phi-3 keeps LongRoPE's pre-training length beside the rope settings)
+    for name in ("original_max_position_embeddings", "partial_rotary_factor"):
+        if text.get(name) is not None:
+            params.setdefault(name, text[name])
     return _rope_kind(params), sliding
 
 

@@ -40,10 +40,13 @@ def hash_block(
 
 
 def extend_block_hashes(
-    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
+    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, salt: bytes = b""
 ) -> None:
-    """Appends the hashes of blocks that became full since the last call (incremental)."""
+    """Appends the hashes of blocks that became full since the last call (incremental).
+    `salt` goes into the first block's key, so the whole chain: K/V computed otherwise for
+    the same tokens (LongRoPE's long frequencies, say) never meet."""
     num_full = len(token_ids) // block_size
     for i in range(len(block_hashes), num_full):
         parent = block_hashes[i - 1] if i else None
-        block_hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
+        tokens = token_ids[i * block_size : (i + 1) * block_size]
+        block_hashes.append(hash_block(parent, tokens, salt if i == 0 else b""))

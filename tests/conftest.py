@@ -88,6 +88,24 @@ TINY_CONFIGS = {
             sliding_window=None,
         ),
     ),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint, LongRoPE with a 64-token original
+    # context (of 1024), so prompts and outputs cross from the short to the long factors.
+    "phi3": dict(
+        arch="Phi3ForCausalLM",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.6],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     # Gemma 2: soft-capped attention and logits, a 24-token window on alternate layers,
     # query_pre_attn_scalar unlike head_dim, tied embeddings.
     "gemma2": dict(

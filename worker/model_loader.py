@@ -84,11 +84,13 @@ _EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, Loaded]]) -> None:
     """Checkpoint tensors into the model's parameters, by name. A model may rename parts of
     the checkpoint's names (`checkpoint_renames`), stack experts' projections into one
-    parameter (`expert_projections`: checkpoint projection -> gate, up or down) and fuse
-    q/k/v and gate/up (`packed_modules_mapping`)."""
+    parameter (`expert_projections`: checkpoint projection -> gate, up or down), fuse q/k/v
+    and gate/up (`packed_modules_mapping`), or take them fused from the checkpoint and load
+    each shard's rows (`fused_checkpoint_tensors`: part -> [(shard id, rows)])."""
     params = dict(model.named_parameters())
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     renames: dict[str, str] = getattr(model, "checkpoint_renames", {})
+    splits: dict[str, list[tuple[object, int]]] = getattr(model, "fused_checkpoint_tensors", {})
     experts: dict[str, str] = getattr(model, "expert_projections", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
@@ -105,6 +107,15 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, Loaded]]) -> Non
             param = _param(params, target, name)
             param.weight_loader(param, tensor, shard, int(expert.group(1)))  # type: ignore[attr-defined]
             loaded.add(target)
+            continue
+        fused = next((part for part in splits if f".{part}." in name), None)
+        if fused is not None:  # one checkpoint tensor holding several shards (Phi-3's qkv)
+            param = _param(params, name, name)
+            offset = 0
+            for shard_id, size in splits[fused]:
+                param.weight_loader(param, tensor.narrow(0, offset, size), shard_id)  # type: ignore[attr-defined]
+                offset += size
+            loaded.add(name)
             continue
         for checkpoint_part, (fused_part, shard_id) in mapping.items():
             if f".{checkpoint_part}." in name:

@@ -56,6 +56,7 @@ class ModelRunner:
         self.use_triton = config.device_config.attention_backend == "TRITON_ATTN"
         self.attn_backend = make_attention_backend(config, device)
         self.model: torch.nn.Module | None = None
+        self.long_rope: tuple[int, int] | None = None  # set once the model is loaded
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -102,6 +103,8 @@ class ModelRunner:
             self.model = get_model(self.config, self.device, self.attn_backend)
             if self.drafter is not None:
                 self.drafter.load()
+        # LongRoPE's (threshold, offset of the long rotary rows), see _rope_positions.
+        self.long_rope: tuple[int, int] | None = getattr(self.model, "long_rope", None)
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
         """Every attention layer's needs: the target's, then the draft model's (whose cache
@@ -318,6 +321,7 @@ class ModelRunner:
         positions = np.arange(total) - np.repeat(cu_query[:-1] - starts, query_lens)
         bs = self.block_size
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        rope_positions = self._rope_positions(positions, token_rows)
 
         # Requests produce a token this step unless the scheduler says their step is part of
         # a prompt, from the hidden state of their last token (when every token is one, no
@@ -342,6 +346,7 @@ class ModelRunner:
             rows=rows,
             token_rows=token_rows,
             positions=positions,
+            rope_positions=rope_positions,
             done=done,
             sample_rows=np.repeat(rows[done], num_drafts + 1),
             num_drafts=num_drafts if num_drafts.any() else None,
@@ -370,13 +375,26 @@ class ModelRunner:
             )
             step.attn_metadata = self.attn_backend.build_metadata(attn_inputs)
             step.positions_t, last_token_t, step.sample_rows_t = self.staging.to_device(
-                positions, last_token, step.sample_rows
+                rope_positions, last_token, step.sample_rows
             )
             step.last_token_t = last_token_t if gather else None
         batch.num_computed_tokens[rows] = seq_lens
         if timer is not None:
             timer.lap("prepare", synchronize=False)
         return step
+
+    def _rope_positions(self, positions: np.ndarray, token_rows: np.ndarray) -> np.ndarray:
+        """The rows of the rotary table each token rotates by: its position, except with
+        LongRoPE, where a token takes the long frequencies' rows (`offset` further) when its
+        position reaches the threshold or its request's prompt is longer than it, as HF
+        rotates a sequence's forward once the sequence passes the threshold."""
+        if self.long_rope is None:
+            return positions
+        threshold, offset = self.long_rope
+        batch = self.input_batch
+        assert batch is not None
+        long = (positions >= threshold) | (batch.num_prompt_tokens[token_rows] > threshold)
+        return positions + offset * long
 
     @torch.inference_mode()
     def _run_step(self, step: _Step) -> ModelRunnerOutput:
@@ -409,7 +427,7 @@ class ModelRunner:
             if self.on_forward is not None:
                 self.on_forward()
             shape, query_lens, *attn = step.graph_inputs
-            hidden = graphs.run(shape, query_lens, input_ids, step.positions, *attn)
+            hidden = graphs.run(shape, query_lens, input_ids, step.rope_positions, *attn)
         else:
             ids_t = self.ids_staging.to_device(input_ids)[0]
             if timer is not None:
@@ -626,6 +644,7 @@ class _Step:
     rows: np.ndarray  # the batch's rows, in that order
     token_rows: np.ndarray  # per scheduled token: its row and position
     positions: np.ndarray
+    rope_positions: np.ndarray  # the rotary table's row per token (LongRoPE: see above)
     done: np.ndarray  # per request: whether it samples this step
     sample_rows: np.ndarray  # per row of logits: its batch row
     # per sampling request (in req_ids order): the proposed tokens it verifies; None: none

@@ -38,7 +38,9 @@ class KVCacheManager:
         cover. The last token is always left to compute, so that it yields logits."""
         if not self.enable_caching:
             return [], 0
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+        )
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -94,7 +96,9 @@ class KVCacheManager:
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
     ) -> None:
         # Tokens past num_tokens (a later chunk) have no K/V yet, so their blocks wait.
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+        )
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         for i in range(request.num_cached_blocks, num_full):
             self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])

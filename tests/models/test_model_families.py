@@ -2,7 +2,9 @@
 models: Mistral with a window shorter than the prompts, Gemma 2 (soft-capping, alternating
 windows), Gemma 3 (q/k norms, local and global layers with two rope bases), and the mixtures
 of experts Qwen3-MoE (top-2 of 8, a dense layer among the sparse ones) and Mixtral (top-2 of
-4; TP=2 splits every expert's intermediate dimension). One forward's
+4; TP=2 splits every expert's intermediate dimension), and Phi-3 (fused checkpoint
+projections split onto the TP layers; LongRoPE with prompts on both sides of its original
+context, and a short prompt whose output crosses it). One forward's
 logits match HF's to 1e-4, and greedy generation equals HF's at TP=1 and TP=2 through chunked
 prefills and prefix-cache hits."""
 
@@ -18,7 +20,7 @@ from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import StepAttentionInputs
 from tokenmill.worker.forward_context import set_forward_context
 
-FAMILIES = ["mistral-window", "gemma2", "gemma3", "qwen3-moe", "mixtral"]
+FAMILIES = ["mistral-window", "gemma2", "gemma3", "qwen3-moe", "mixtral", "phi3"]
 
 
 def engine(path, **kwargs) -> LLM:
@@ -49,7 +51,11 @@ def test_one_forward_logits_match_hf(tiny_model, monkeypatch, name: str) -> None
             torch.inference_mode(),
             set_forward_context(runner.attn_backend.build_metadata(inputs)),
         ):
-            hidden = runner.model(torch.tensor(prompt), torch.arange(n))
+            positions = torch.arange(n)
+            if runner.long_rope is not None:  # a prompt past LongRoPE's original context
+                threshold, offset = runner.long_rope
+                positions = positions + offset * (n > threshold)
+            hidden = runner.model(torch.tensor(prompt), positions)
             ours = runner.model.compute_logits(hidden)
     finally:
         llm.shutdown()
@@ -68,7 +74,9 @@ def test_greedy_matches_hf_through_chunks_and_prefix_hits(tiny_model, name: str,
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(3, 512, (64,), generator=g).tolist()
     tails = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (2, 17, 40, 76)]
-    prompts = [shared + tail for tail in tails] + [tails[2]]
+    # (The lone prompt and its output stay below Phi-3's 64-token original context: see
+    # test_long_rope_prompts_do_not_share_blocks_with_short_ones.)
+    prompts = [shared + tail for tail in tails] + [tails[0]]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     llm = engine(path, tensor_parallel_size=tp, max_num_batched_tokens=32)
     try:
@@ -82,3 +90,26 @@ def test_greedy_matches_hf_through_chunks_and_prefix_hits(tiny_model, name: str,
     assert stats["prefix_cache_hits"] >= 64
     outputs = [o.outputs[0].token_ids for o in first + later]
     assert compare_greedy(hf_reference(path), prompts, outputs) == 0
+
+
+def test_long_rope_prompts_do_not_share_blocks_with_short_ones(tiny_model) -> None:
+    """A prompt past LongRoPE's original context rotates every position by the long
+    frequencies; a shorter prompt's first positions take the short ones. So a long prompt
+    must not reuse a short one's cached blocks (their keys differ), and gets HF's tokens."""
+    path = tiny_model("phi3")
+    g = torch.Generator().manual_seed(7)
+    short = torch.randint(3, 512, (48,), generator=g).tolist()  # below the 64-token context
+    long = short + torch.randint(3, 512, (30,), generator=g).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    llm = engine(path)
+    try:
+        llm.generate({"prompt_token_ids": short}, SamplingParams(max_tokens=1), use_tqdm=False)
+        before = llm.get_stats()["prefix_cache_hits"]
+        out = llm.generate({"prompt_token_ids": long}, params, use_tqdm=False)
+        assert llm.get_stats()["prefix_cache_hits"] == before  # nothing reused
+        again = llm.generate({"prompt_token_ids": long}, params, use_tqdm=False)
+        assert llm.get_stats()["prefix_cache_hits"] > before  # long with long: reused
+    finally:
+        llm.shutdown()
+    assert out[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+    assert compare_greedy(hf_reference(path), [long], [out[0].outputs[0].token_ids]) == 0

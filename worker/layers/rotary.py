@@ -4,7 +4,14 @@ cos/sin tables for every position up to max_position are computed once, in fp32,
 as HF computes them, so that results match HF bit for bit. The model prepares the step's
 rotation once (`prepare`: the torch path looks up cos/sin for the step's positions) and every
 layer applies it (`StepRotation.apply`; the Triton path rotates in place from the tables).
-Supports rope_type "default", "linear" and "llama3".
+Supports rope_type "default", "linear", "llama3" and "longrope" (Phi-3's "su" scaling).
+
+LongRoPE has two frequency sets, short and long, both scaled by one attention factor; the
+table holds the short set's rows for positions 0..max-1, then the long set's (`long_offset`
+rows later). HF switches a whole forward to the long set once its sequence passes
+`original_max_position_embeddings`; the model runner reproduces that per token (see
+ModelRunner: a token takes the long rows when its position, or its request's prompt, passes
+`long_threshold`), so that chunked prefills and batching change nothing.
 """
 
 from __future__ import annotations
@@ -37,24 +44,58 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
+def _longrope(
+    head_size: int, max_position: int, params: dict[str, Any]
+) -> tuple[list[torch.Tensor], float, int]:
+    """([short inv_freq, long inv_freq], attention factor, original max positions), as HF
+    computes them."""
+    base = float(params.get("rope_theta", 10000.0))
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or max_position / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
+    sets = [
+        1.0 / (torch.tensor(params[name], dtype=torch.float32) * base**exponents)
+        for name in ("short_factor", "long_factor")
+    ]
+    return sets, float(attention), original
+
+
 class RotaryEmbedding(CustomOp):
     def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_size = head_size
         rope_type = params.get("rope_type", "default")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise NotImplementedError(
+                f"rope_parameters.partial_rotary_factor={params['partial_rotary_factor']} is "
+                "not supported (only whole heads rotate)"
+            )
+        # LongRoPE (see above): the threshold its runner compares positions with, and where
+        # the long rows start; None elsewhere.
+        self.long_threshold: int | None = None
+        self.long_offset = max_position
+        scale = 1.0
         inv_freq = _inv_freq(head_size, float(params.get("rope_theta", 10000.0)))
+        freq_sets = [inv_freq]
         if rope_type == "linear":
-            inv_freq = inv_freq / params["factor"]
+            freq_sets = [inv_freq / params["factor"]]
         elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, params)
+            freq_sets = [_llama3_inv_freq(inv_freq, params)]
+        elif rope_type in ("longrope", "su"):
+            freq_sets, scale, self.long_threshold = _longrope(head_size, max_position, params)
         elif rope_type != "default":
             raise NotImplementedError(
-                f"rope_type={rope_type!r} is not supported (default, linear, llama3 are)"
+                f"rope_type={rope_type!r} is not supported (default, linear, llama3, longrope are)"
             )
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        emb = torch.cat(
+            [torch.cat((f, f), dim=-1) for f in (torch.outer(positions, s) for s in freq_sets)]
+        )
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotation:
         """The step's rotation, for every layer to apply to its queries and keys."""

@@ -1,5 +1,6 @@
 """The Llama family: Llama and SmolLM2 (tied embeddings), Mistral (a sliding window on every
-layer), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim).
+layer), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and Phi-3
+(q/k/v and gate/up fused in the checkpoint, LongRoPE).
 
 Built from the typed `ModelConfig` (config.json is parsed once, in protocol/config.py);
 module and parameter names follow HF's so that the loader maps checkpoint names directly,
@@ -184,6 +185,14 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    @property
+    def long_rope(self) -> tuple[int, int] | None:
+        """LongRoPE's (threshold, offset of the long rows) for the model runner; None
+        without it (see worker/layers/rotary.py)."""
+        rotary = self.model.rotary_emb
+        return None if rotary.long_threshold is None else (rotary.long_threshold,
+                                                           rotary.long_offset)  # fmt: skip
+
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
@@ -191,3 +200,19 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: Llama's layers with q/k/v and gate/up fused in the checkpoint (each split onto
+    this rank's shards while loading), LongRoPE, and a sliding window on every layer where
+    the config sets one."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__(config, backend)
+        q = config.num_attention_heads * config.head_size
+        kv = config.num_kv_heads * config.head_size
+        inter = config.intermediate_size
+        self.fused_checkpoint_tensors = {
+            "qkv_proj": [("q", q), ("k", kv), ("v", kv)],
+            "gate_up_proj": [(0, inter), (1, inter)],
+        }
