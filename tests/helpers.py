@@ -162,14 +162,14 @@ def kill_all(processes: list[psutil.Process]) -> None:
 
 
 def require_ray():
-    return _require("ray", "pip install 'tokenmill[ray]'")
+    return require_module("ray", "pip install 'tokenmill[ray]'")
 
 
 def require_triton():
-    return _require("triton", "pip install triton==3.9.0 runs it on the CPU")
+    return require_module("triton", "pip install triton==3.9.0 runs it on the CPU")
 
 
-def _require(module: str, how: str):
+def require_module(module: str, how: str):
     """Imports `module`, or skips the test (fails it under CI=true, where `make test` has
     installed it)."""
     import importlib
