@@ -3,7 +3,7 @@
 # transformers, xxhash and psutil installed, plus the pyzmq/msgspec wheels carried in .whl/:
 #   1. the Triton kernels against their torch references, compiled on the GPU;
 #   2. greedy parity of tokenmill on CUDA (Triton backend, CUDA graphs) with HF transformers
-#      on random-weight models, CUDA graphs against eager, bf16 log-probabilities against HF,
+#      on random-weight models (every family: Gemma's windows and caps, MoE, Phi-3 too), CUDA graphs against eager, bf16 log-probabilities against HF,
 #      the Triton engine against the torch engine;
 #   3. async scheduling against in-turn steps (identical greedy outputs on a random model, the
 #      workers' steps overlapped as CUDA's default and in turn; batch rows reused safely; a
@@ -12,6 +12,7 @@
 #      sampling on the GPU) with async scheduling off and on, in-process and across processes;
 #   5. W1 throughput on the Qwen3-0.6B shape with dummy weights, async scheduling off and on
 #      (alternating), HF on the first 64 requests, with tokenmill's per-step time split;
+#   5b. W1 throughput on a small Qwen3-MoE with dummy weights (the fused-MoE kernel), HF beside;
 #   6. speculative decoding: the rejection sampler's distribution test and the greedy
 #      equality tests (tiny random models, TP=1, async scheduling off and on) on CUDA, then
 #      bench_spec_decode.py on the Qwen3-0.6B shape with dummy weights (W1-cpu; the draft is
@@ -38,6 +39,7 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider \
   tests/models/test_cuda.py \
   tests/models/test_triton_backend.py \
   "tests/models/test_hf_parity.py::test_random_model_greedy_matches_hf" \
+  tests/models/test_model_families.py \
   "tests/models/test_async_scheduling.py::test_tiny_model_async_equals_sync[1-overlapped]" \
   "tests/models/test_async_scheduling.py::test_tiny_model_async_equals_sync[1-steps-in-turn]" \
   tests/models/test_async_scheduling.py::test_rows_reused_only_after_the_step_that_wrote_them \
@@ -55,6 +57,12 @@ echo "== W1 throughput, Qwen3-0.6B shape, dummy weights, bf16, async scheduling 
 timeout 360 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
   --load-format dummy --workload W1 --max-num-batched-tokens 8192 --compare hf \
   --hf-requests 64 --async-scheduling off on --step-times 2>&1 | grep -v Warning | tee "$OUT/bench_qwen3_w1.log" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== W1 throughput, a small Qwen3-MoE (16 experts, top-4), dummy weights, bf16 (the fused-MoE kernel)"
+timeout 240 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-moe-tiny \
+  --load-format dummy --workload W1 --compare hf --hf-requests 64 2>&1 | grep -v Warning \
+  | tee "$OUT/bench_moe_w1.log" | tail -12
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== speculative decoding on CUDA: rejection sampler, greedy equality, benchmark"
