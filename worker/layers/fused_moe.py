@@ -7,13 +7,16 @@ dtype. The experts' weights are stacked into one parameter per projection, w13 [
 (gate rows, then up rows) and w2 [E, H, I], filled expert by expert from the checkpoint's
 per-expert tensors, and split along the intermediate dimension I across tensor-parallel ranks
 (as a column-parallel layer followed by a row-parallel one: each rank's output is a partial
-sum, all-reduced here). The CPU path is torch, grouped by expert (kernels/reference.py); the
-Triton path sorts tokens by expert and runs grouped GEMMs (kernels/fused_moe.py).
+sum, all-reduced here). The CPU path is torch: two batched matmuls over the experts' padded
+token groups for a step of up to a few thousand assignments, else one matmul per expert
+(kernels/reference.py); the Triton path sorts tokens by expert and runs grouped GEMMs
+(kernels/fused_moe.py).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.reference import fused_moe_reference
@@ -66,11 +69,55 @@ class FusedMoE(CustomOp):
 
     def forward_native(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(router_logits, x.dtype)
-        out = fused_moe_reference(x, self.w13_weight, self.w2_weight, weights, ids)
-        return tp_all_reduce(out)
+        return tp_all_reduce(moe_on_cpu(x, self.w13_weight, self.w2_weight, weights, ids))
 
     def forward_triton(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         from tokenmill.kernels.fused_moe import fused_moe
 
         weights, ids = self.route(router_logits, x.dtype)
         return tp_all_reduce(fused_moe(x, self.w13_weight, self.w2_weight, weights, ids))
+
+
+# Up to this many (token, expert) assignments a step's experts run as two batched matmuls
+# over every expert's tokens padded to the busiest expert's count, instead of a pair of
+# matmuls per expert: a decode step is then ~12 ops per layer instead of ~10 per expert.
+# Measured on 2 AMX cores (16 experts, top-4, hidden 512, bf16): 35 decodes 1.1 ms against
+# 2.9 ms per layer, 512 tokens 3.2 against 5.9; at 2048 tokens the padding and its copies
+# cost more than the loop (21 against 15 ms), and with fewer assignments than experts
+# (one decode) the loop touches only the experts used.
+BATCHED_MAX_ASSIGNMENTS = 4096
+
+
+def moe_on_cpu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' outputs, [T, H]: batched over experts when that pays, else the
+    per-expert reference (kernels/reference.py)."""
+    num_experts = w13.shape[0]
+    assignments = ids.numel()
+    if assignments < num_experts or assignments > BATCHED_MAX_ASSIGNMENTS:
+        return fused_moe_reference(x, w13, w2, weights, ids)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    capacity = int(counts.max())
+    if num_experts * capacity > 2 * assignments:  # too uneven: mostly padding
+        return fused_moe_reference(x, w13, w2, weights, ids)
+    experts = flat[order]
+    # Each assignment's row in [experts x capacity]: its expert's block, its rank there.
+    starts = torch.cumsum(counts, 0) - counts
+    rows = experts * capacity + (torch.arange(assignments, device=x.device) - starts[experts])
+    tokens = order // ids.shape[1]
+    padded = x.new_zeros(num_experts * capacity, x.shape[1])
+    padded[rows] = x[tokens]
+    gate, up = torch.bmm(padded.view(num_experts, capacity, -1), w13.transpose(1, 2)).chunk(
+        2, dim=-1
+    )
+    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(num_experts * capacity, -1)
+    out = torch.zeros_like(x)
+    out.index_add_(0, tokens, y[rows] * weights.reshape(-1)[order, None])
+    return out
