@@ -29,21 +29,26 @@ from tokenmill.kernels.launches import count_launch
 def align_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted assignment indices, padded to a multiple of block_m per expert with
-    T * top_k; the expert of each block of block_m). topk_ids: [T, top_k]."""
+    """(sorted assignment indices, each expert's run padded to a multiple of block_m with
+    T * top_k; the expert of each block of block_m). topk_ids: [T, top_k]. The sizes are
+    the most the padding can take (every expert one block short of full), whatever the
+    routing, and nothing waits for the device, so a CUDA graph can capture it: blocks past
+    the last expert's get expert `num_experts`, which the kernel skips."""
     flat = topk_ids.reshape(-1).to(torch.int64)
-    num = flat.numel()
+    num, device = flat.numel(), flat.device
+    num_blocks = (num + num_experts * (block_m - 1) + block_m - 1) // block_m
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded
+    ends = torch.cumsum(padded, 0)
     # Each sorted assignment's slot: its expert's padded start plus its rank in the expert.
-    ranks = torch.arange(num, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-    sorted_ids = torch.full((int(padded.sum()),), num, dtype=torch.int64, device=flat.device)
-    sorted_ids[starts[flat[order]] + ranks] = order
-    block_experts = torch.repeat_interleave(
-        torch.arange(num_experts, device=flat.device), padded // block_m
-    )
+    experts = flat[order]
+    ranks = torch.arange(num, device=device) - (torch.cumsum(counts, 0) - counts)[experts]
+    sorted_ids = torch.full((num_blocks * block_m,), num, dtype=torch.int64, device=device)
+    sorted_ids[(ends - padded)[experts] + ranks] = order
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    block_experts = torch.searchsorted(ends, block_starts, right=True)
     return sorted_ids, block_experts
 
 
@@ -56,6 +61,7 @@ def _grouped_gemm_kernel(
     sorted_ids_ptr,
     block_experts_ptr,
     num_assignments,
+    num_experts,
     N,
     K,
     stride_am,
@@ -72,6 +78,8 @@ def _grouped_gemm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert >= num_experts:  # a block past the last expert's: padding only
+        return
     rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < num_assignments
     a_rows = (rows // A_ROWS_PER_TOKEN).to(tl.int64)
@@ -125,7 +133,7 @@ def _grouped_gemm(
     grid = (block_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, b, out, weights if weights is not None else out, sorted_ids, block_experts,
-        num_assignments, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        num_assignments, b.shape[0], n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         A_ROWS_PER_TOKEN=rows_per_token, MUL_WEIGHT=weights is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=fp32_dot,
     )  # fmt: skip
