@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -131,9 +132,8 @@ def register_with_frontend(
             socket.send(message)
             wait = REREGISTER_S if registered else REGISTER_RETRY_S
             if not socket.poll(int(wait * 1000)):
-                if registered:
-                    continue
-                logger.info("waiting for the frontend at %s to answer", frontend)
+                if not registered:
+                    logger.info("waiting for the frontend at %s to answer", frontend)
                 continue
             reply = socket.recv_multipart()
             if reply[0] == REGISTERED:
@@ -141,7 +141,7 @@ def register_with_frontend(
                     logger.info("joined the frontend at %s as data-parallel rank %d", frontend,
                                 rank)  # fmt: skip
                 registered = True
-                socket.poll(int(REREGISTER_S * 1000))  # (nothing else arrives)
+                time.sleep(REREGISTER_S)
                 continue
             why = reply[1].decode(errors="replace") if len(reply) > 1 else "no reason given"
             fail(f"the frontend at {frontend} refused data-parallel rank {rank}: {why}")

@@ -63,10 +63,6 @@ class EngineCore:
         launcher = config.parallel_config.distributed_executor_backend == "external_launcher"
         self.structured = StructuredOutputManager(self.config, synchronous=launcher)
         self._compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
-        rope = self.config.model_config.rope_parameters
-        self._long_rope_threshold: int | None = None
-        if rope.get("rope_type") in ("longrope", "su"):
-            self._long_rope_threshold = int(rope["original_max_position_embeddings"])
         self._grammar_req_ids: set[str] = set()  # live requests with a grammar
         self._rejected: list[EngineCoreOutput] = []
         self.async_scheduling = self.config.scheduler_config.async_scheduling
@@ -112,7 +108,7 @@ class EngineCore:
             self.reject_request(request.request_id, error)
             return
         core_request = Request(request, self.config.model_config.max_model_len)
-        threshold = self._long_rope_threshold
+        threshold = self.config.model_config.long_rope_threshold
         if threshold is not None and core_request.num_prompt_tokens > threshold:
             # LongRoPE: a prompt past the original context rotates every position by the
             # long frequencies (the workers' rule), unlike a shorter one's first positions.

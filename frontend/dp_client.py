@@ -59,6 +59,8 @@ class _InFlight:
     request: EngineCoreRequest  # as the caller sent it
     rank: int
     produced: list[int] = field(default_factory=list)  # tokens output so far, on any rank
+    # The router's hashes of its tokens' full blocks, extended as they grow.
+    hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -120,7 +122,7 @@ class _DataParallel:
         client = self._make_rank_client(index, timeout)
         with self.lock:
             if self.closing:
-                threading.Thread(target=client.shutdown, daemon=True).start()
+                self._retire(client)
                 return
             rank.client, rank.ready, rank.cause = client, client.ready, None
             rank.load = RankLoad(index, client.ready.num_blocks)
@@ -152,21 +154,18 @@ class _DataParallel:
         loads = [r.load for r in live]
         for request in requests:
             entry = self.in_flight.get(request.request_id)
+            if entry is None:
+                entry = self.in_flight[request.request_id] = _InFlight(request, _PARKED)
             if not loads:  # every rank is down, one is being restarted: it waits for it
-                if entry is None:
-                    self.in_flight[request.request_id] = _InFlight(request, _PARKED)
-                else:
-                    entry.rank = _PARKED
+                entry.rank = _PARKED
                 continue
             # (A resubmission's resumed tokens are part of the prefix it needs.)
-            hashes = self.router.block_hashes(request.prompt_token_ids + request.resumed_token_ids)
+            tokens = request.prompt_token_ids + request.resumed_token_ids
+            hashes = self.router.block_hashes(tokens, entry.hashes)
             load = self.router.choose(loads, hashes)
             load.record.add(hashes)
             load.unfinished += 1
-            if entry is None:
-                self.in_flight[request.request_id] = _InFlight(request, load.index)
-            else:
-                entry.rank = load.index
+            entry.rank = load.index
             per_rank.setdefault(load.index, []).append(request)
         for index, batch in per_rank.items():
             try:
@@ -225,7 +224,7 @@ class _DataParallel:
                 request = entry.request
                 # Its output's blocks are in that rank's cache too (a next chat turn's prefix).
                 tokens = request.prompt_token_ids + request.resumed_token_ids + entry.produced
-                rank.load.record.add(self.router.block_hashes(tokens))
+                rank.load.record.add(self.router.block_hashes(tokens, entry.hashes))
         now = time.monotonic()
         if now >= self.next_stats_log and outputs.outputs:
             self.next_stats_log = now + _STATS_LOG_INTERVAL_S

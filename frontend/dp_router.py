@@ -69,9 +69,12 @@ class Router:
         self.margin = margin
         self.block_size = block_size
 
-    def block_hashes(self, token_ids: list[int]) -> list[BlockHash]:
-        """The chained hashes of the full blocks of `token_ids` (none with "load" routing)."""
-        hashes: list[BlockHash] = []
+    def block_hashes(
+        self, token_ids: list[int], hashes: list[BlockHash] | None = None
+    ) -> list[BlockHash]:
+        """The chained hashes of the full blocks of `token_ids` (none with "load" routing),
+        extending `hashes` (those of a prefix of the same tokens) where given."""
+        hashes = [] if hashes is None else hashes
         if self.by_prefix:
             extend_block_hashes(hashes, token_ids, self.block_size)
         return hashes

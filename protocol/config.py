@@ -108,6 +108,13 @@ class ModelConfig:
             and (layer + 1) % self.decoder_sparse_step == 0
         )
 
+    @property
+    def long_rope_threshold(self) -> int | None:
+        """LongRoPE's original context (Phi-3), past which the long factors apply."""
+        if self.rope_parameters.get("rope_type") not in ("longrope", "su"):
+            return None
+        return int(self.rope_parameters["original_max_position_embeddings"])
+
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to the whole context)."""
         return self.sliding_window if self.is_sliding(layer) else None

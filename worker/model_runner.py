@@ -104,7 +104,7 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.load()
         # LongRoPE's (threshold, offset of the long rotary rows), see _rope_positions.
-        self.long_rope: tuple[int, int] | None = getattr(self.model, "long_rope", None)
+        self.long_rope = getattr(self.model, "long_rope", None)
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
         """Every attention layer's needs: the target's, then the draft model's (whose cache

@@ -23,7 +23,7 @@ from tokenmill.protocol.config import ModelConfig
 from tokenmill.worker.attention.base import AttentionBackend
 from tokenmill.worker.layers.attention import Attention
 from tokenmill.worker.layers.custom_op import CustomOp
-from tokenmill.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.worker.layers.embedding import VocabParallelEmbedding
 from tokenmill.worker.layers.layernorm import RMSNorm
 from tokenmill.worker.layers.linear import (
     MergedColumnParallelLinear,
@@ -31,6 +31,7 @@ from tokenmill.worker.layers.linear import (
     RowParallelLinear,
 )
 from tokenmill.worker.layers.rotary import RotaryEmbedding, StepRotation
+from tokenmill.worker.models.llama import LlamaForCausalLM
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -180,36 +181,22 @@ class GemmaModel(nn.Module):
         return x
 
 
-class Gemma2ForCausalLM(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-    qk_norm = False
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """The Llama family's LM head (tied, vocabulary-parallel) and weight mapping around
+    Gemma's decoder stack, with Gemma 2's final-logit soft-capping."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.model = GemmaModel(config, backend, self.qk_norm)
-        self.tie_word_embeddings = config.tie_word_embeddings
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, backend)
         self.final_softcap = config.final_logit_softcapping
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def build_model(self, config: ModelConfig, backend: AttentionBackend) -> nn.Module:
+        return GemmaModel(config, backend, self.qk_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

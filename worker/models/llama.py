@@ -167,10 +167,15 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
         return LlamaMLP(config)
 
+    def build_model(self, config: ModelConfig, backend: AttentionBackend) -> nn.Module:
+        """The decoder stack (embeddings, layers, final norm, rotary table); the LM head
+        around it is this class's, for every family."""
+        qkv_bias = self.qkv_bias or config.attention_bias
+        return LlamaModel(config, backend, qkv_bias, self.qk_norm, self.make_mlp)
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        qkv_bias = self.qkv_bias or config.attention_bias
-        self.model = LlamaModel(config, backend, qkv_bias, self.qk_norm, self.make_mlp)
+        self.model = self.build_model(config, backend)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
