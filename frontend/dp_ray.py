@@ -89,7 +89,7 @@ class RayRanks(RankLauncher):
                 f"{max(timeout, _PLACEMENT_WAIT_S):.0f} s"
             )
         try:
-            address, node_id, ip = ray.get(started)
+            address, node_id, ip = ray.get(started, timeout=0)  # (ready above)
             client = client_cls(owner, index, None, address, self.auth_token)
         except Exception:
             ray.kill(host, no_restart=True)

@@ -89,7 +89,11 @@ class MultiprocExecutor(Executor):
         self.decoders: dict[str, Decoder] = {}
         self.failure: str | None = None
         self.stopping = threading.Event()
-        self.workers = self._start_workers()
+        try:
+            self.workers = self._start_workers()
+        except BaseException:
+            self._abandon_start()
+            raise
         self._finalizer = weakref.finalize(
             self,
             _shutdown,
@@ -122,6 +126,12 @@ class MultiprocExecutor(Executor):
             socket.bind(address)
         self.reply_socket.bind(reply_address(self.ipc_dir))
         return calls, reply_address(self.ipc_dir)
+
+    def _abandon_start(self) -> None:
+        """Releases what was made before starting the workers failed (no finalizer owns
+        it yet): the sockets and their directory."""
+        close_sockets(self.ctx, [*self.call_sockets, self.reply_socket])
+        self._cleanup()
 
     def _worker_stopper(self) -> Callable[[], None]:
         """Stops every worker that has not exited after the shutdown call (SIGTERM, then

@@ -77,7 +77,7 @@ class RayExecutor(MultiprocExecutor):
             )
         actor_class = ray.remote(RayWorker)
         env = {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ}
-        actors = [
+        self.actors = actors = [
             actor_class.options(
                 num_cpus=cpus,
                 num_gpus=gpus,
@@ -88,7 +88,8 @@ class RayExecutor(MultiprocExecutor):
             ).remote()
             for i in range(self.world_size)
         ]
-        places = ray.get([actor.node.remote() for actor in actors])
+        # (Every wait on the cluster has a deadline: a lost node never answers.)
+        places = ray.get([actor.node.remote() for actor in actors], timeout=WAIT_FOR_RESOURCES_S)
         here = ray.get_runtime_context().get_node_id()
         # This node's actors first (rank 0 hosts the rendezvous on this node's IP), then by node.
         order = sorted(range(len(actors)), key=lambda i: (places[i][0] != here, places[i][0]))
@@ -96,7 +97,8 @@ class RayExecutor(MultiprocExecutor):
         self.places = [places[i] for i in order]
         self.stop_actors = functools.partial(_kill_actors, ray, self.actors)
         # Rank 0 hosts the rendezvous: on its node's IP (this node's when a rank is here).
-        init_method = f"tcp://{self.places[0][1]}:{ray.get(self.actors[0].free_port.remote())}"
+        port = ray.get(self.actors[0].free_port.remote(), timeout=WAIT_FOR_RESOURCES_S)
+        init_method = f"tcp://{self.places[0][1]}:{port}"
         config_json = msgspec.json.encode(self.config)
         client = self.curve.for_client()
         keys = (client.server_public, client.client_public, client.client_secret)
@@ -120,6 +122,11 @@ class RayExecutor(MultiprocExecutor):
         nodes = sorted({p[1] for p in self.places})
         logger.info("%d Ray workers on nodes %s", self.world_size, ", ".join(nodes))
         return self.actors
+
+    def _abandon_start(self) -> None:
+        _kill_actors(self.ray, getattr(self, "actors", []))
+        self.auth.stop()  # (its sockets close before the context is terminated)
+        super()._abandon_start()
 
     def _worker_stopper(self) -> Callable[[], None]:
         return functools.partial(
