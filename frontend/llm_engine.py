@@ -136,6 +136,8 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        if not self.has_unfinished_requests():
+            return []  # nothing can come: waiting for the core's next output would be for ever
         outputs = self.client.get_output()
         results, stopped = self.output_processor.process_outputs(outputs.outputs)
         if stopped:

@@ -53,7 +53,10 @@ def test_too_little_kv_memory_is_a_clear_error(tiny_model, multiprocess: bool) -
         )
 
 
-def test_stats_count_preemptions_and_prefix_hits(tiny_model) -> None:
+def test_stats_count_preemptions_and_prefix_hits(tiny_model, monkeypatch) -> None:
+    # The core runs in this process and steps only when asked: "while a request runs" below
+    # must not race a spawned core that may finish it between two questions.
+    monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")
     llm = LLM(
         str(tiny_model("llama-gqa")),
         skip_tokenizer_init=True,
