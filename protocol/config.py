@@ -119,6 +119,16 @@ class ModelConfig:
         """Layer `layer`'s sliding window (None: it attends to the whole context)."""
         return self.sliding_window if self.is_sliding(layer) else None
 
+    @property
+    def kv_lookback(self) -> int | None:
+        """How many tokens back (the query's own included) the farthest-seeing layer
+        attends: the window where every layer slides (Mistral), None where any layer sees
+        the whole context (Gemma's global layers). Older keys are never read again."""
+        windows = [self.window_of(layer) for layer in range(self.num_hidden_layers)]
+        if not windows or None in windows:
+            return None
+        return max(w for w in windows if w is not None)
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -92,6 +92,57 @@ def test_greedy_matches_hf_through_chunks_and_prefix_hits(tiny_model, name: str,
     assert compare_greedy(hf_reference(path), prompts, outputs) == 0
 
 
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens, each from a full forward of HF's model (no cache, no EOS stop)."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3, "auto_disable": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "ngram-async"])
+def test_blocks_behind_every_window_go_back_to_the_pool(tiny_model, speculate: bool) -> None:
+    """Mistral slides a 24-token window over every layer: a request of 30 + 90 tokens holds
+    15 blocks of 8 without freeing, at most 5 with it. Four of them fit a pool of 23 usable
+    blocks (60 needed otherwise) only if the blocks behind the window are freed as they
+    go: no preemption, and HF's tokens. Then the first conversation's next turn finds its
+    last window cached, though its first blocks were handed out again long ago: a prefix
+    hit with the null block behind the window. With n-gram proposals and async scheduling
+    a step may take back 3 tokens, whose queries then reach further back."""
+    path = tiny_model("mistral-window")
+    g = torch.Generator().manual_seed(11)
+    # Repeating prompts, so that n-gram lookups propose.
+    prompts = [(torch.randint(3, 512, (6,), generator=g).tolist() * 5) for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    extra = dict(speculative_config=NGRAM, async_scheduling=True) if speculate else {}
+    llm = engine(path, num_gpu_blocks_override=24, max_model_len=160, **extra)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)  # fmt: skip
+        stats = llm.get_stats()
+        turn = prompts[0] + list(outputs[0].outputs[0].token_ids)  # 120 tokens
+        short = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        (next_turn,) = llm.generate({"prompt_token_ids": turn}, short, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    # Its last 3 full blocks (the window before token 112) are what a hit needs.
+    assert next_turn.num_cached_tokens == 112
+    assert stats["num_preemptions"] == 0
+    assert stats["kv_cache_usage"] == 0.0  # every block back, none freed twice
+    if speculate:  # proposals made, some rejected (taken back)
+        proposed, accepted = (stats[f"spec_decode_num_{k}_tokens"] for k in ("draft", "accepted"))
+        assert 0 < proposed and accepted < proposed, (proposed, accepted)
+    hf = hf_reference(path)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 90)
+    assert next_turn.outputs[0].token_ids == hf_greedy(hf, turn, 10)
+
+
 def test_long_rope_prompts_do_not_share_blocks_with_short_ones(tiny_model) -> None:
     """A prompt past LongRoPE's original context rotates every position by the long
     frequencies; a shorter prompt's first positions take the short ones. So a long prompt

@@ -84,8 +84,10 @@ def run(
         llm.shutdown()
 
 
-# qwen3: per-head q/k norms; gemma2: windows and soft-caps; qwen3-moe: the fused-MoE kernel.
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma2", "qwen3-moe"])
+# qwen3: per-head q/k norms; gemma2: windows and soft-caps; mistral-window: every layer
+# slides, so blocks behind the window are freed and handed to other requests while the
+# workers' tables still name them (the kernel must skip them); qwen3-moe: the fused-MoE kernel.
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma2", "mistral-window", "qwen3-moe"])
 def test_triton_engine_matches_torch_engine(tiny_model, monkeypatch, name: str) -> None:
     monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")  # in this process, to read the counters
     model = str(tiny_model(name))
@@ -94,7 +96,10 @@ def test_triton_engine_matches_torch_engine(tiny_model, monkeypatch, name: str) 
     # Short contexts still split into parts (flash-decoding) with a small split size.
     tokens, stats = run(model, "TRITON_ATTN", min_split_tokens=16)
     assert tokens == expected
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+    # (Mistral frees each block once it is behind the window: the 8 usable are then enough
+    # for everyone, and the shared prefix, freed first, is evicted first.)
+    sliding = name == "mistral-window"
+    assert sliding or (stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0), stats
     assert stats["num_preemptions"] == torch_stats["num_preemptions"]
     # (Gemma's (1 + w) norms and GeGLU run as torch ops.)
     expected_kernels = KERNELS if not name.startswith("gemma") else KERNELS[:3] + KERNELS[4:5]

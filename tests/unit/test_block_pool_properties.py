@@ -4,7 +4,9 @@ Random sequences of admissions (with prefix-cache lookups), growth, frees and ca
 over a small token alphabet, so that prefixes collide often. After every step: reference
 counts match the requests holding each block, a block is never both free and referenced,
 the free queue holds exactly the unreferenced blocks, and every cache entry points at a block
-whose (modelled) contents are exactly the prefix its hash stands for.
+whose (modelled) contents are exactly the prefix its hash stands for. The same machine with a
+sliding window on every layer also checks that a request never loses a block its next query
+attends to, and that the blocks wholly behind that window are back in the pool.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=9)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    LOOKBACK: int | None = None  # every layer's sliding window, in tokens
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=True)
+        self.kv = KVCacheManager(
+            NUM_BLOCKS, BLOCK_SIZE, enable_caching=True, lookback=self.LOOKBACK
+        )
         self.live: dict[str, Request] = {}
         # What each block holds: the whole token prefix up to the end of that block.
         self.contents: dict[int, tuple[int, ...]] = {}
@@ -38,7 +44,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         blocks = self.kv.req_to_blocks[request.request_id]
         tokens = request.all_token_ids
         for i in range(request.num_computed_tokens // BLOCK_SIZE):
-            self.contents[blocks[i].block_id] = tuple(tokens[: (i + 1) * BLOCK_SIZE])
+            if blocks[i] is not self.kv.block_pool.null_block:  # (behind the window)
+                self.contents[blocks[i].block_id] = tuple(tokens[: (i + 1) * BLOCK_SIZE])
 
     @rule(tokens=tokens_st)
     def admit(self, tokens: list[int]) -> None:
@@ -47,8 +54,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
         hits, num_hit = self.kv.get_computed_blocks(request)
         assert num_hit < len(tokens)
+        null = self.kv.block_pool.null_block
         for i, block in enumerate(hits):
-            assert self.contents[block.block_id] == tuple(tokens[: (i + 1) * BLOCK_SIZE])
+            if block is not null:
+                assert self.contents[block.block_id] == tuple(tokens[: (i + 1) * BLOCK_SIZE])
+        if self.LOOKBACK is not None:
+            # Only blocks wholly behind the first query's window may be missing.
+            oldest_key = max(num_hit - self.LOOKBACK + 1, 0)
+            assert all(b is not null for b in hits[oldest_key // BLOCK_SIZE :])
+        else:
+            assert null not in hits
         request.num_computed_tokens = num_hit
         if self.kv.allocate_slots(request, len(tokens) - num_hit, hits) is None:
             self.kv.req_to_blocks.pop(request.request_id, None)
@@ -67,6 +82,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             del request.all_token_ids[-len(extra) :]
             del request.output_token_ids[-len(extra) :]
             return
+        if self.LOOKBACK is not None:
+            # Everything wholly behind the first new query's window went back to the pool.
+            oldest_key = request.num_computed_tokens - self.LOOKBACK + 1
+            blocks = self.kv.req_to_blocks[request.request_id]
+            behind = blocks[: max(oldest_key, 0) // BLOCK_SIZE]
+            assert all(b is self.kv.block_pool.null_block for b in behind)
         request.num_computed_tokens += len(extra)
         self._written(request)
 
@@ -109,6 +130,22 @@ class KVCacheMachine(RuleBasedStateMachine):
                 if block_hash in seen:
                     assert seen[block_hash] == tuple(request.all_token_ids[: (i + 1) * BLOCK_SIZE])
 
+    @invariant()
+    def the_window_keeps_its_blocks(self) -> None:
+        """The next query (at num_computed_tokens) attends back LOOKBACK tokens: every block
+        it reads is a real one."""
+        null = self.kv.block_pool.null_block
+        for request in self.live.values():
+            blocks = self.kv.req_to_blocks[request.request_id]
+            oldest_key = max(request.num_computed_tokens - (self.LOOKBACK or 10**9) + 1, 0)
+            assert all(b is not null for b in blocks[oldest_key // BLOCK_SIZE :])
+
+
+class SlidingKVCacheMachine(KVCacheMachine):
+    LOOKBACK = 3
+
 
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSlidingKVCacheMachine = SlidingKVCacheMachine.TestCase
+TestSlidingKVCacheMachine.settings = TestKVCacheMachine.settings
