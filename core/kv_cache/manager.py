@@ -79,7 +79,7 @@ class KVCacheManager:
         come back as the null block. A hash names its whole prefix, so each cached block
         found holds exactly this request's tokens."""
         assert self.lookback is not None
-        needed = cdiv(self.lookback - 1, self.block_size)
+        needed = max(cdiv(self.lookback - 1, self.block_size), 1)
         run = 0  # cached blocks in a row, ending at the last one looked at
         for i in range(len(hashes) - 1, -1, -1):
             if self.block_pool.get_cached_block(hashes[i]) is None:

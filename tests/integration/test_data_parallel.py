@@ -238,7 +238,9 @@ def test_headless_rank_joins_leaves_and_rejoins(tiny_model) -> None:
     path = tiny_model("llama-gqa")
     prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 500 + 3 for j in range(4 + 5 * i)]}
                for i in range(16)]  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    # Long enough that rank 1 is still generating when the test looks (a tiny model's 200
+    # tokens were once all done on a busy machine between two looks).
+    params = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
     common = dict(skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20)
     one = LLM(str(path), **common)
     try:
@@ -260,6 +262,7 @@ def test_headless_rank_joins_leaves_and_rejoins(tiny_model) -> None:
             thread.start()
             deadline = time.monotonic() + 60
             while llm.get_stats()["data_parallel"]["ranks"][1]["stats"]["num_running"] == 0:
+                assert thread.is_alive(), "the generation ended before rank 1 was seen running"
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             daemon.kill()
