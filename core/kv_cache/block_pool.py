@@ -1,12 +1,14 @@
 """The pool of KV blocks: ids, reference counts and an LRU queue of free blocks.
 
 Owned by the KVCacheManager. Block 0 is the null block: never handed out, it is what padded
-block-table entries point at. Free blocks wait in a doubly-linked queue so that a block in the
-middle (a prefix-cache hit on a freed block) leaves it in O(1); new blocks come from the head,
-which holds the least recently freed ones. A freed block without a hash (a partial block, which
-can never be a prefix hit) goes to the head instead, so that it is reused before any cached
-prefix is evicted. The prefix cache maps a block hash to every block holding those tokens: two
-requests that computed the same block each leave a copy, and evicting one keeps the other.
+block-table entries point at (and the places of blocks freed behind a sliding window); taking,
+dropping or caching it changes nothing. Free blocks wait in a doubly-linked queue so that a
+block in the middle (a prefix-cache hit on a freed block) leaves it in O(1); new blocks come
+from the head, which holds the least recently freed ones. A freed block without a hash (a
+partial block, which can never be a prefix hit) goes to the head instead, so that it is reused
+before any cached prefix is evicted. The prefix cache maps a block hash to every block holding
+those tokens: two requests that computed the same block each leave a copy, and evicting one
+keeps the other.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes a reference on cached blocks, pulling free ones out of the free queue."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
@@ -127,6 +131,8 @@ class BlockPool:
         """Drops one reference from each block; blocks must be given in eviction order.
         Blocks without a hash go to the head of the free queue (reused first)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt < 0:
                 raise AssertionError(f"{block} freed more often than it was allocated")
@@ -143,7 +149,7 @@ class BlockPool:
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Registers a full block under its prefix hash, next to any other block that holds
         the same tokens (two requests computed them in different steps)."""
-        if block.block_hash is not None:
+        if block.block_hash is not None or block is self.null_block:
             return
         self.cached_blocks.setdefault(block_hash, {})[block.block_id] = block
         block.block_hash = block_hash

@@ -80,17 +80,16 @@ class KVCacheManager:
         found holds exactly this request's tokens."""
         assert self.lookback is not None
         needed = max(cdiv(self.lookback - 1, self.block_size), 1)
-        run = 0  # cached blocks in a row, ending at the last one looked at
+        run: list[KVCacheBlock] = []  # cached blocks in a row, back from the last looked at
         for i in range(len(hashes) - 1, -1, -1):
-            if self.block_pool.get_cached_block(hashes[i]) is None:
-                run = 0
+            block = self.block_pool.get_cached_block(hashes[i])
+            if block is None:
+                run = []
                 continue
-            run += 1
-            if run == needed or i == 0:
-                end = i + run  # blocks [i, end) are cached, enough for the window
-                window = [self.block_pool.get_cached_block(h) for h in hashes[i:end]]
-                hits = [self.block_pool.null_block] * i + window
-                return hits, end * self.block_size  # type: ignore[return-value]
+            run.append(block)
+            if len(run) == needed or i == 0:  # blocks [i, i + len(run)) cover the window
+                hits = [self.block_pool.null_block] * i + run[::-1]
+                return hits, len(hits) * self.block_size
         return [], 0
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
@@ -125,8 +124,7 @@ class KVCacheManager:
             num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
             if max(num_needed, 0) + num_revived > self.block_pool.num_free_blocks:
                 return None
-            null = self.block_pool.null_block  # (places behind a sliding window)
-            self.block_pool.touch(b for b in computed_blocks if b is not null)
+            self.block_pool.touch(computed_blocks)
             added.extend(computed_blocks)
         if num_needed > 0:
             if num_needed > self.block_pool.num_free_blocks:
@@ -167,8 +165,7 @@ class KVCacheManager:
         )
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         for i in range(request.num_cached_blocks, num_full):
-            if blocks[i] is not self.block_pool.null_block:  # (freed: cached before)
-                self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -178,8 +175,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         request.num_cached_blocks = 0
         # Tail blocks first: they are the least likely to be shared, so evict them first.
-        null = self.block_pool.null_block
-        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not null)
+        self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         """False (nothing cleared) while any request holds blocks."""
