@@ -1,8 +1,9 @@
 """What differs between the CPU and CUDA, in one place: a `Platform` per device type.
 
 The worker and its model runner ask their platform instead of testing `device.type`:
-- CPU: glibc malloc keeps freed memory (steps allocate their activations afresh), the ranks
-  of a host split its cores, the KV cache is lazily zeroed memory committed in the
+- CPU: glibc malloc keeps freed memory (steps allocate their activations afresh), oneDNN
+  keeps more compiled matmul kernels (see ONEDNN_KERNEL_CACHE), the ranks of a host split
+  its cores, the KV cache is lazily zeroed memory committed in the
   background, matmul weights are packed for oneDNN, decode attention runs in groups sized to
   the L2 caches, Triton kernels run in the interpreter (tests), the KV budget is a share of
   the host's RAM, steps run in turn (the forward needs every core), gloo all-reduces.
@@ -20,6 +21,7 @@ import ctypes.util
 import logging
 import math
 import mmap
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -31,6 +33,16 @@ from tokenmill.protocol import envs
 from tokenmill.protocol.config import CacheConfig
 
 logger = logging.getLogger(__name__)
+
+
+# Compiled matmul kernels oneDNN keeps (its primitive cache; its default is 1024). oneDNN
+# compiles a kernel per matmul shape (1.5-4 ms each on a 2-core AMX CPU, about 1 MB of memory
+# each) and evicts the least recently used when the cache is full. CPU matmuls round their
+# row counts (worker/layers/linear.py: gemm_rows), so a model meets a few hundred shapes; this
+# leaves room for models with many weight shapes before the cache would start to recompile
+# on every step (as it did before row counts were rounded: 30 ms of a 45 ms MoE decode step).
+# The cache grows only as far as it is used.
+ONEDNN_KERNEL_CACHE = 2048
 
 
 class Platform:
@@ -98,6 +110,9 @@ class CpuPlatform(Platform):
     def init_process(self, device: torch.device, local_world_size: int) -> None:
         if envs.TOKENMILL_CPU_MALLOC_TUNING:
             keep_freed_memory()
+        # Read by oneDNN when it first compiles a kernel (later in this process); a value the
+        # user set wins.
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_KERNEL_CACHE))
         # Ranks on one host split its cores (torch's default count is all of them).
         torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
 

@@ -7,10 +7,10 @@ dtype. The experts' weights are stacked into one parameter per projection, w13 [
 (gate rows, then up rows) and w2 [E, H, I], filled expert by expert from the checkpoint's
 per-expert tensors, and split along the intermediate dimension I across tensor-parallel ranks
 (as a column-parallel layer followed by a row-parallel one: each rank's output is a partial
-sum, all-reduced here). The CPU path is torch: two batched matmuls over the experts' padded
-token groups for a step of up to a few thousand assignments, else one matmul per expert
-(kernels/reference.py); the Triton path sorts tokens by expert and runs grouped GEMMs
-(kernels/fused_moe.py).
+sum, all-reduced here). The CPU path is torch (`moe_on_cpu`): the tokens sorted by expert
+into padded blocks, then two batched matmuls over all experts for a step of up to a few
+thousand assignments, else a pair of matmuls per expert; the Triton path sorts tokens by
+expert and runs grouped GEMMs (kernels/fused_moe.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels.reference import fused_moe_reference
 from tokenmill.worker.layers.custom_op import CustomOp
-from tokenmill.worker.layers.linear import Loaded, default_weight_loader, divide
+from tokenmill.worker.layers.linear import Loaded, default_weight_loader, divide, gemm_rows
 from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 
 
@@ -78,14 +77,17 @@ class FusedMoE(CustomOp):
         return tp_all_reduce(fused_moe(x, self.w13_weight, self.w2_weight, weights, ids))
 
 
-# Up to this many (token, expert) assignments a step's experts run as two batched matmuls
-# over every expert's tokens padded to the busiest expert's count, instead of a pair of
-# matmuls per expert: a decode step is then ~12 ops per layer instead of ~10 per expert.
-# Measured on 2 AMX cores (16 experts, top-4, hidden 512, bf16): 35 decodes 1.1 ms against
-# 2.9 ms per layer, 512 tokens 3.2 against 5.9; at 2048 tokens the padding and its copies
-# cost more than the loop (21 against 15 ms), and with fewer assignments than experts
-# (one decode) the loop touches only the experts used.
+# When a step's experts run as two batched matmuls over blocks of one size (the busiest
+# expert's) instead of a pair of matmuls per expert: a dozen ops per layer instead of a few
+# per expert, for padding rows and for reading the weights of experts without tokens.
+# Measured on 2 AMX cores (16 experts, top-4, hidden 512, bf16, row counts rounded), batched
+# against per expert: 1 token (4 experts used) 0.94 against 0.74 ms per layer; 2 tokens (6
+# used) 0.89 against 0.96; 64 tokens 1.27 against 2.28; 1024 tokens 9.6 against 10.5. Past
+# BATCHED_MAX_ASSIGNMENTS assignments the padding and its copies cost more than the loop
+# saves; blocks of up to BATCHED_WEIGHT_BOUND_ROWS rows are padded freely (such a matmul is
+# bound by reading its weights), larger ones to at most twice the assignments.
 BATCHED_MAX_ASSIGNMENTS = 4096
+BATCHED_WEIGHT_BOUND_ROWS = 64
 
 
 def moe_on_cpu(
@@ -95,29 +97,55 @@ def moe_on_cpu(
     weights: torch.Tensor,
     ids: torch.Tensor,
 ) -> torch.Tensor:
-    """The experts' outputs, [T, H]: batched over experts when that pays, else the
-    per-expert reference (kernels/reference.py)."""
-    num_experts = w13.shape[0]
-    assignments = ids.numel()
-    if assignments < num_experts or assignments > BATCHED_MAX_ASSIGNMENTS:
-        return fused_moe_reference(x, w13, w2, weights, ids)
+    """The experts' outputs, [T, H], as kernels/reference.py computes them.
+
+    The step's (token, expert) assignments are sorted by expert and each expert's tokens
+    copied into a block of zero-padded rows (vLLM's `moe_align_block_size`), `gemm_rows` of
+    them so that oneDNN meets a few matmul shapes instead of a new one per expert and step.
+    Blocks of one size, the busiest expert's, go through two batched matmuls when that pays
+    (see BATCHED_MAX_ASSIGNMENTS); otherwise each expert with tokens multiplies its own
+    block. The products are weighted and added into the tokens' rows."""
+    num_experts, hidden = w13.shape[0], x.shape[1]
     flat = ids.reshape(-1)
+    assignments = flat.numel()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
-    capacity = int(counts.max())
-    if num_experts * capacity > 2 * assignments:  # too uneven: mostly padding
-        return fused_moe_reference(x, w13, w2, weights, ids)
-    experts = flat[order]
-    # Each assignment's row in [experts x capacity]: its expert's block, its rank there.
-    starts = torch.cumsum(counts, 0) - counts
-    rows = experts * capacity + (torch.arange(assignments, device=x.device) - starts[experts])
-    tokens = order // ids.shape[1]
-    padded = x.new_zeros(num_experts * capacity, x.shape[1])
-    padded[rows] = x[tokens]
-    gate, up = torch.bmm(padded.view(num_experts, capacity, -1), w13.transpose(1, 2)).chunk(
-        2, dim=-1
+    per_expert = counts.tolist()
+    capacity = gemm_rows(max(per_expert))
+    batched = (
+        3 * sum(n > 0 for n in per_expert) >= num_experts  # a third of the experts in use
+        and assignments <= BATCHED_MAX_ASSIGNMENTS
+        and (capacity <= BATCHED_WEIGHT_BOUND_ROWS or num_experts * capacity <= 2 * assignments)
     )
-    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(num_experts * capacity, -1)
+    blocks = [capacity if batched else gemm_rows(n) if n else 0 for n in per_expert]
+    offsets = [0]
+    for size in blocks:
+        offsets.append(offsets[-1] + size)
+    # Each assignment's row among the blocks: its expert's block, then its rank there.
+    experts = flat[order]
+    first = torch.tensor(offsets[:-1], device=x.device) - (torch.cumsum(counts, 0) - counts)
+    rows = first[experts] + torch.arange(assignments, device=x.device)
+    tokens = order // ids.shape[1]
+    padded = x.new_zeros(offsets[-1], hidden)
+    padded[rows] = x[tokens]
+    if batched:
+        gate, up = torch.bmm(padded.view(num_experts, capacity, -1), w13.transpose(1, 2)).chunk(
+            2, dim=-1
+        )
+        y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(-1, hidden)
+    else:
+        gate_up = padded.new_empty(offsets[-1], w13.shape[1])
+        for expert, size in enumerate(blocks):
+            if size:
+                span = slice(offsets[expert], offsets[expert] + size)
+                torch.mm(padded[span], w13[expert].t(), out=gate_up[span])
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        y = padded.new_empty(offsets[-1], hidden)
+        for expert, size in enumerate(blocks):
+            if size:
+                span = slice(offsets[expert], offsets[expert] + size)
+                torch.mm(act[span], w2[expert].t(), out=y[span])
     out = torch.zeros_like(x)
     out.index_add_(0, tokens, y[rows] * weights.reshape(-1)[order, None])
     return out
