@@ -82,11 +82,12 @@ class FusedMoE(CustomOp):
 # per expert, for padding rows and for reading the weights of experts without tokens.
 # Measured on 2 AMX cores (16 experts, top-4, hidden 512, bf16, row counts rounded), batched
 # against per expert: 1 token (4 experts used) 0.94 against 0.74 ms per layer; 2 tokens (6
-# used) 0.89 against 0.96; 64 tokens 1.27 against 2.28; 1024 tokens 9.6 against 10.5. Past
-# BATCHED_MAX_ASSIGNMENTS assignments the padding and its copies cost more than the loop
-# saves; blocks of up to BATCHED_WEIGHT_BOUND_ROWS rows are padded freely (such a matmul is
-# bound by reading its weights), larger ones to at most twice the assignments.
-BATCHED_MAX_ASSIGNMENTS = 4096
+# used) 0.89 against 0.96; 64 tokens 1.27 against 2.28; 1024 tokens 6.1-7.1 against 7.5-9.2;
+# 2048 tokens 19-22 against 24. Past BATCHED_MAX_ASSIGNMENTS assignments the padded copies
+# grow past tens of MB for little gain. Blocks of up to BATCHED_WEIGHT_BOUND_ROWS rows are
+# padded freely (such a matmul is bound by reading its weights), larger ones to at most
+# twice the assignments.
+BATCHED_MAX_ASSIGNMENTS = 8192
 BATCHED_WEIGHT_BOUND_ROWS = 64
 
 
