@@ -37,11 +37,11 @@ logger = logging.getLogger(__name__)
 
 # Compiled matmul kernels oneDNN keeps (its primitive cache; its default is 1024). oneDNN
 # compiles a kernel per matmul shape (1.5-4 ms each on a 2-core AMX CPU, about 1 MB of memory
-# each) and evicts the least recently used when the cache is full. CPU matmuls round their
-# row counts (worker/layers/linear.py: gemm_rows), so a model meets a few hundred shapes; this
-# leaves room for models with many weight shapes before the cache would start to recompile
-# on every step (as it did before row counts were rounded: 30 ms of a 45 ms MoE decode step).
-# The cache grows only as far as it is used.
+# each) and evicts the least recently used when the cache is full. A dense layer meets one
+# shape per token count a step has, and the experts round theirs (worker/layers/fused_moe.py:
+# gemm_rows), so a run meets a few hundred shapes; this leaves room for more before the cache
+# would start to recompile on every step (as it did before the experts' row counts were
+# rounded: 30 ms of a 45 ms MoE decode step). It grows only as far as it is used.
 ONEDNN_KERNEL_CACHE = 2048
 
 

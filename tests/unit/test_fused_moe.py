@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from tokenmill.kernels.reference import fused_moe_reference
-from tokenmill.worker.layers.fused_moe import BATCHED_MAX_ASSIGNMENTS, FusedMoE, moe_on_cpu
+from tokenmill.worker.layers.fused_moe import (
+    BATCHED_MAX_ASSIGNMENTS,
+    FusedMoE,
+    gemm_rows,
+    moe_on_cpu,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,3 +49,21 @@ def test_routing_is_hf_s() -> None:
             want = want / want.sum()
         assert ids.tolist() == [[1, 2]] and weights.dtype == torch.bfloat16
         torch.testing.assert_close(weights[0].float(), want.to(torch.bfloat16).float())
+
+
+def test_gemm_rows_rounds_up_to_a_few_shapes() -> None:
+    """Every row count up to 8192 rounds up by at most 1/8 (16 at least) to one of 73
+    shapes, and a rounded count stays as it is."""
+    rounded = [gemm_rows(n) for n in range(1, 8193)]
+    assert all(n <= r <= max(16, n + n // 8) for n, r in zip(range(1, 8193), rounded))
+    assert all(gemm_rows(r) == r for r in rounded)
+    assert len(set(rounded)) == 1 + 9 * 8  # 16, then 8 steps in each of [16, 32) ... [4096, 8192)
+    assert [gemm_rows(n) for n in (1, 16, 17, 33, 100, 1500, 2048)] == [
+        16,
+        16,
+        18,
+        36,
+        104,
+        1536,
+        2048,
+    ]

@@ -147,7 +147,7 @@ def test_cpu_matmul_weights_packed_for_onednn_compute_the_same(dtype: torch.dtyp
         x = torch.randn(rows, 96, generator=g).to(dtype)
         y = column(x)
         want = x.double() @ plain["column"].T + column.bias.double()
-        assert y.shape == (rows, 160)  # padded to gemm_rows(rows) and cut back
+        assert y.shape == (rows, 160)
         assert y.dtype == dtype and (y.double() - want).abs().max() < tol * want.abs().max()
         h = torch.randn(rows, 160, generator=g).to(dtype)
         want = h.double() @ plain["row"].T
@@ -161,23 +161,3 @@ def test_cpu_matmul_weights_packed_for_onednn_compute_the_same(dtype: torch.dtyp
     # A plain weight still runs through F.linear.
     w = torch.randn(5, 96, generator=g)
     assert torch.allclose(matmul(torch.ones(2, 96), w), torch.ones(2, 96) @ w.T, atol=1e-5)
-
-
-def test_gemm_rows_rounds_up_to_a_few_shapes() -> None:
-    """Every row count up to 8192 rounds up by at most 1/8 (16 at least) to one of 73
-    shapes, and a rounded count stays as it is."""
-    from tokenmill.worker.layers.linear import gemm_rows
-
-    rounded = [gemm_rows(n) for n in range(1, 8193)]
-    assert all(n <= r <= max(16, n + n // 8) for n, r in zip(range(1, 8193), rounded))
-    assert all(gemm_rows(r) == r for r in rounded)
-    assert len(set(rounded)) == 1 + 9 * 8  # 16, then 8 steps in each of [16, 32) ... [4096, 8192)
-    assert [gemm_rows(n) for n in (1, 16, 17, 33, 100, 1500, 2048)] == [
-        16,
-        16,
-        18,
-        36,
-        104,
-        1536,
-        2048,
-    ]

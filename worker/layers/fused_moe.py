@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.worker.layers.custom_op import CustomOp
-from tokenmill.worker.layers.linear import Loaded, default_weight_loader, divide, gemm_rows
+from tokenmill.worker.layers.linear import Loaded, default_weight_loader, divide
 from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 
 
@@ -75,6 +75,24 @@ class FusedMoE(CustomOp):
 
         weights, ids = self.route(router_logits, x.dtype)
         return tp_all_reduce(fused_moe(x, self.w13_weight, self.w2_weight, weights, ids))
+
+
+def gemm_rows(n: int) -> int:
+    """The row count a CPU matmul of n rows runs at: n rounded up to one of eight steps per
+    power of two, 16 at least (17 -> 18, 100 -> 104, 1500 -> 1536).
+
+    oneDNN compiles a kernel for every matmul shape it meets (1.5-4 ms and about 1 MB each
+    on a 2-core AMX CPU) and keeps the last ONEDNN_KERNEL_CACHE of them (worker/platform.py).
+    Each expert's share of a step's tokens changes from step to step: unrounded, its
+    kernels never stop being compiled, or evicted and compiled again (1248 compiled in one
+    W1-cpu run of the tiny Qwen3-MoE, 127 rounded). Rounded, a weight meets about 70 shapes
+    up to 8192 rows, for at most 1/8 more rows. (Dense layers run on the step's token count
+    as it is: a few hundred counts per run, and padding their inputs costs 15-40% of a
+    small matmul here.)"""
+    if n <= 16:
+        return 16
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 # When a step's experts run as two batched matmuls over blocks of one size (the busiest

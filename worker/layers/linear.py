@@ -9,8 +9,7 @@ a shard id and copies the checkpoint tensor into its slice. The model loader cal
 rank's shard before anything is read.
 
 On the CPU the model loader then re-lays every matmul weight out for oneDNN
-(`pack_cpu_weights`), and `matmul` runs it with oneDNN's prepacked GEMM, on a row count
-rounded by `gemm_rows`.
+(`pack_cpu_weights`), and `matmul` runs it with oneDNN's prepacked GEMM.
 """
 
 from __future__ import annotations
@@ -42,39 +41,13 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 _PACK_BATCH_HINT = 64
 
 
-def gemm_rows(n: int) -> int:
-    """The row count a CPU matmul of n rows runs at: n rounded up to one of eight steps per
-    power of two, 16 at least (17 -> 18, 100 -> 104, 1500 -> 1536).
-
-    oneDNN compiles a kernel for every matmul shape it meets (1.5-4 ms and about 1 MB each
-    on a 2-core AMX CPU) and keeps the last ONEDNN_KERNEL_CACHE of them (worker/platform.py).
-    A step's row counts (its tokens; each expert's share of them) change from step to step:
-    unrounded, the kernels never stop being compiled, or evicted and compiled again. Rounded,
-    a weight meets about 70 shapes up to 8192 rows, for at most 1/8 more rows."""
-    if n <= 16:
-        return 16
-    step = 1 << (n.bit_length() - 4)
-    return -(-n // step) * step
-
-
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), for a plain weight or one packed by `pack_cpu_weights`. A 16-bit
     x with a weight widened to fp32 is multiplied in fp32 and the product rounded back to x's
     dtype: bf16 x bf16 products are exact in fp32, so this is a bf16 GEMM with fp32
-    accumulation (oneDNN's and HF's), at the speed of the fp32 one. Where oneDNN multiplies
-    (packed weights, 16-bit plain ones on the CPU), x is padded with zero rows to
-    `gemm_rows` and their products dropped."""
+    accumulation (oneDNN's and HF's), at the speed of the fp32 one."""
     if weight.dtype != x.dtype:
         return matmul(x.to(weight.dtype), weight, bias).to(x.dtype)
-    if x.dim() == 2 and x.device.type == "cpu" and (weight.is_mkldnn or x.dtype != torch.float32):
-        n = x.shape[0]
-        rows = gemm_rows(n)
-        if rows != n:
-            return _matmul(F.pad(x, (0, 0, 0, rows - n)), weight, bias)[:n]
-    return _matmul(x, weight, bias)
-
-
-def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
