@@ -127,9 +127,8 @@ def moe_on_cpu(
     num_experts, hidden = w13.shape[0], x.shape[1]
     flat = ids.reshape(-1)
     assignments = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    per_expert = counts.tolist()
+    experts, order = torch.sort(flat, stable=True)
+    per_expert = torch.bincount(flat, minlength=num_experts).tolist()
     capacity = gemm_rows(max(per_expert))
     batched = (
         3 * sum(n > 0 for n in per_expert) >= num_experts  # a third of the experts in use
@@ -137,13 +136,15 @@ def moe_on_cpu(
         and (capacity <= BATCHED_WEIGHT_BOUND_ROWS or num_experts * capacity <= 2 * assignments)
     )
     blocks = [capacity if batched else gemm_rows(n) if n else 0 for n in per_expert]
-    offsets = [0]
-    for size in blocks:
+    # Each assignment's row among the blocks: its expert's first row, plus its rank among the
+    # expert's assignments (its place in sorted order less the assignments sorted before).
+    offsets, shift, sorted_before = [0], [], 0
+    for size, n in zip(blocks, per_expert):
+        shift.append(offsets[-1] - sorted_before)
         offsets.append(offsets[-1] + size)
-    # Each assignment's row among the blocks: its expert's block, then its rank there.
-    experts = flat[order]
-    first = torch.tensor(offsets[:-1], device=x.device) - (torch.cumsum(counts, 0) - counts)
-    rows = first[experts] + torch.arange(assignments, device=x.device)
+        sorted_before += n
+    rows = torch.tensor(shift, device=x.device)[experts]
+    rows += torch.arange(assignments, device=x.device)
     tokens = order // ids.shape[1]
     padded = x.new_zeros(offsets[-1], hidden)
     padded[rows] = x[tokens]
