@@ -367,6 +367,17 @@ class EngineConfig:
         model_config = dataclasses.replace(self.model_config, max_model_len=max_model_len)
         return dataclasses.replace(self, model_config=model_config)
 
+    @property
+    def kv_lookback(self) -> int | None:
+        """How far back a request's KV blocks are still read, where blocks behind that go
+        back to the pool as it runs (ModelConfig.kv_lookback); None: every block is kept. Not
+        with a draft model: it shares the block tables, and its layers may see the whole
+        context."""
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            return None
+        return self.model_config.kv_lookback
+
 
 @dataclass
 class EngineArgs:

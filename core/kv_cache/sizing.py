@@ -4,6 +4,11 @@ Called once by EngineCore at start-up, after the executor has loaded the model. 
 attention layer reports a `KVCacheSpec`; one block holds `block_size` tokens in every layer,
 so `num_blocks = available_bytes // sum(page_size_bytes over layers)`. With
 `max_model_len == -1` the context length is fitted to what one request can hold.
+
+Where every layer slides (Mistral), a request holds at most the blocks that cover its
+window and one step's new tokens, plus one where the window starts inside a block (vLLM's
+`SlidingWindowSpec.max_memory_usage_bytes`): a request of any length fits when that does,
+and the concurrency counts requests of that size.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ class KVCacheSizing:
     block_size: int
     bytes_per_block: int  # one block across all layers
     max_model_len: int
+    # The most tokens' worth of blocks one request holds at once (max_model_len's, or less
+    # where blocks behind a sliding window are freed).
+    max_request_tokens: int
 
     @property
     def capacity_tokens(self) -> int:
@@ -34,7 +42,7 @@ class KVCacheSizing:
     @property
     def max_concurrency(self) -> float:
         """How many requests of max_model_len tokens fit at once."""
-        return self.capacity_tokens / self.max_model_len
+        return self.capacity_tokens / self.max_request_tokens
 
 
 def compute_kv_cache_sizing(
@@ -43,10 +51,12 @@ def compute_kv_cache_sizing(
     cache_config: CacheConfig,
     max_model_len: int,
     max_fit_len: int,
+    lookback: int | None = None,
 ) -> KVCacheSizing:
     """max_fit_len: the longest context `max_model_len=-1` may fit to (the model's position
     limit, and without chunked prefill also the step's token budget, which a prompt or a
-    preempted request's recomputation must fit in)."""
+    preempted request's recomputation must fit in). lookback: where blocks behind a window
+    are freed, the most tokens a request keeps (its window plus one step's tokens)."""
     if not specs:
         raise ValueError("the model reported no attention layers, so there is no KV cache to size")
     block_sizes = {s.block_size for s in specs}
@@ -60,22 +70,30 @@ def compute_kv_cache_sizing(
         num_blocks = max(available_bytes, 0) // bytes_per_block
     # Block 0 is the null block, so a request can use at most num_blocks - 1 blocks.
     usable_tokens = max(num_blocks - 1, 0) * block_size
+    # A window starting inside a block keeps that block: one more than the window covers.
+    windowed = None if lookback is None else (cdiv(lookback, block_size) + 1) * block_size
     if max_model_len == -1:
-        max_model_len = min(usable_tokens, max_fit_len)
+        max_model_len = max_fit_len if windowed and windowed <= usable_tokens else usable_tokens
+        max_model_len = min(max_model_len, max_fit_len)
         if max_model_len < 1:
             raise ValueError(_too_small_message(1, block_size, bytes_per_block, available_bytes))
         logger.info("max_model_len=-1: fitted to %d tokens", max_model_len)
-    elif usable_tokens < max_model_len:
+    max_request_tokens = max_model_len if windowed is None else min(windowed, max_model_len)
+    if usable_tokens < max_request_tokens:
         if cache_config.num_gpu_blocks_override is not None:
             raise ValueError(
                 f"num_gpu_blocks_override={num_blocks} blocks of {block_size} tokens hold "
                 f"{usable_tokens} tokens per request (block 0 is reserved), fewer than "
-                f"max_model_len={max_model_len}"
+                f"the {max_request_tokens} one request of max_model_len={max_model_len} holds"
             )
         raise ValueError(
-            _too_small_message(max_model_len, block_size, bytes_per_block, available_bytes)
+            _too_small_message(
+                max_request_tokens, block_size, bytes_per_block, available_bytes, max_model_len
+            )
         )
-    sizing = KVCacheSizing(num_blocks, block_size, bytes_per_block, max_model_len)
+    sizing = KVCacheSizing(
+        num_blocks, block_size, bytes_per_block, max_model_len, max_request_tokens
+    )
     logger.info(
         "KV cache: %d blocks of %d tokens (%.2f GiB), capacity %d tokens, "
         "max concurrency %.2fx at max_model_len=%d",
@@ -90,13 +108,24 @@ def compute_kv_cache_sizing(
 
 
 def _too_small_message(
-    max_model_len: int, block_size: int, bytes_per_block: int, available_bytes: int
+    tokens: int,
+    block_size: int,
+    bytes_per_block: int,
+    available_bytes: int,
+    max_model_len: int | None = None,
 ) -> str:
-    blocks = cdiv(max_model_len, block_size) + 1  # + the null block
+    """max_model_len: where it is not `tokens` (a sliding window's share of it)."""
+    blocks = cdiv(tokens, block_size) + 1  # + the null block
     needed = blocks * bytes_per_block
+    what = f"max_model_len={tokens} tokens"
+    if max_model_len is not None and max_model_len != tokens:
+        what = (
+            f"{tokens} tokens (the sliding window and one step's tokens; "
+            f"max_model_len={max_model_len})"
+        )
     return (
         f"The KV cache needs {needed} bytes ({needed / _GIB:.3f} GiB) to hold one request of "
-        f"max_model_len={max_model_len} tokens, but only {available_bytes} bytes "
+        f"{what}, but only {available_bytes} bytes "
         f"({available_bytes / _GIB:.3f} GiB) are available ({needed - available_bytes} bytes "
         f"missing). Raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len."
     )

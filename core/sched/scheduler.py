@@ -73,14 +73,12 @@ class Scheduler:
         if spec is not None and spec.method == "draft_model":
             self.num_lookahead_tokens = self.num_spec_tokens
         cache = config.cache_config
-        # Where every layer slides, blocks behind the window go back to the pool. Not with a
-        # draft model: it shares the block tables, and its layers may see the whole context.
-        lookback = None if self.num_lookahead_tokens else config.model_config.kv_lookback
+        # Where every layer slides, blocks behind the window go back to the pool.
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             cache.block_size,
             cache.enable_prefix_caching,
-            lookback=lookback,
+            lookback=config.kv_lookback,
             rollback=self.num_spec_tokens,  # rejected proposals: their queries start earlier
         )
         self.requests: dict[str, Request] = {}

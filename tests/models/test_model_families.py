@@ -143,6 +143,23 @@ def test_blocks_behind_every_window_go_back_to_the_pool(tiny_model, speculate: b
     assert next_turn.outputs[0].token_ids == hf_greedy(hf, turn, 10)
 
 
+def test_a_sliding_window_model_runs_requests_longer_than_the_cache(tiny_model) -> None:
+    """Mistral's 24-token window over every layer, 16 tokens a step: a request holds at
+    most cdiv(24 + 16, 8) + 1 = 6 blocks of 8, so a cache of 11 usable blocks (88 tokens)
+    takes max_model_len=160 and runs a 30 + 90-token request to the end, with HF's tokens."""
+    path = tiny_model("mistral-window")
+    prompt = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    llm = engine(path, num_gpu_blocks_override=12, max_model_len=160, max_num_batched_tokens=16)
+    try:
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert stats["max_model_len"] == 160 and stats["num_preemptions"] == 0
+    assert out.outputs[0].token_ids == hf_greedy(hf_reference(path), prompt, 90)
+
+
 def test_long_rope_prompts_do_not_share_blocks_with_short_ones(tiny_model) -> None:
     """A prompt past LongRoPE's original context rotates every position by the long
     frequencies; a shorter prompt's first positions take the short ones. So a long prompt
