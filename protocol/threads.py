@@ -3,7 +3,8 @@
 The in-process executor runs the worker on one (so that the core schedules the next step while
 this one runs), and the model runner runs each step's device part on one (so that the host
 prepares the next step while this one's forward runs). Daemon threads, so that a call still
-running never holds up the process's exit.
+running never holds up the process's exit; `close(wait=...)` gives the call being run a
+bounded time to finish, so that what it holds is let go before the interpreter exits.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ class OrderedThread:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
-    def close(self) -> None:
-        """The thread ends after the calls already submitted; this never waits for them."""
+    def close(self, wait: float = 0.0) -> bool:
+        """The thread ends after the calls already submitted. wait: seconds to wait for that
+        (not from the thread itself). Returns whether it has ended."""
         self.calls.put(None)
+        if wait > 0 and threading.current_thread() is not self.thread:
+            self.thread.join(wait)
+        return not self.thread.is_alive()
 
     def _serve(self, setup: Callable[[], None] | None) -> None:
         if setup is not None:

@@ -275,11 +275,11 @@ class ModelRunner:
             if self._device_thread is None or not self._device_thread.alive():
                 raise RuntimeError("the model runner's device thread has ended")
 
-    def close(self) -> None:
-        """Ends the device thread after the steps already queued; never waits for them."""
-        if self._device_thread is not None:
-            self._device_thread.close()
-            self._device_thread = None
+    def close(self, wait: float = 0.0) -> bool:
+        """Ends the device thread after the steps already queued, waiting up to `wait`
+        seconds for them; returns whether it has ended."""
+        thread, self._device_thread = self._device_thread, None
+        return thread is None or thread.close(wait)
 
     @torch.inference_mode()
     def _prepare(self, out: SchedulerOutput, defer_free: bool) -> _Step | None:

@@ -121,10 +121,10 @@ class Worker:
         future.set_result(self.model_runner.execute_model(scheduler_output))
         return future
 
-    def close(self) -> None:
-        """Lets the runner's device thread end; never waits for it."""
-        if self.model_runner is not None:
-            self.model_runner.close()
+    def close(self, wait: float = 0.0) -> bool:
+        """Lets the runner's device thread end, waiting up to `wait` seconds for it; returns
+        whether it has ended."""
+        return self.model_runner is None or self.model_runner.close(wait)
 
     def describe_shards(self) -> dict[str, list[int]]:
         """The shape of every parameter this rank holds, and of one layer's KV cache under

@@ -13,6 +13,7 @@ that is one rank of the torchrun group.
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -20,6 +21,12 @@ from typing import Any
 from tokenmill.core.executor.base import Executor
 from tokenmill.protocol.rpc import rpc_method
 from tokenmill.protocol.threads import OrderedThread, chain
+
+logger = logging.getLogger(__name__)
+
+# How long shutdown waits for each of the worker's threads to finish the call it is running
+# (a step: seconds at most on the CPU).
+_THREAD_END_WAIT_S = 10.0
 
 
 class UniProcExecutor(Executor):
@@ -88,8 +95,16 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         if self.thread is not None:
-            # Both only queue an end (the worker's for its runner's device thread, if any);
-            # the worker is dropped here, not on a thread that may outlive the interpreter.
-            self.worker.close()
-            self.thread.close()  # the thread ends after the call it is running, if any
+            # The worker is dropped here, once its threads have finished the calls they were
+            # running: a call still running holds the worker, and on the CPU its KV cache is
+            # a Python buffer (platform.zeroed), whose release takes the GIL. Let go of on a
+            # thread the exiting interpreter has stopped, it aborted the process. Bounded:
+            # a call that never ends is left to the daemon threads.
+            ended = self.thread.close(wait=_THREAD_END_WAIT_S)
+            ended = self.worker.close(wait=_THREAD_END_WAIT_S if ended else 0.0) and ended
+            if not ended:
+                logger.warning(
+                    "the worker's threads did not end within %.0f s of shutdown",
+                    _THREAD_END_WAIT_S,
+                )
         self.worker = None  # type: ignore[assignment]
