@@ -89,14 +89,15 @@ class EngineCore:
         max_fit_len = model.max_position_embeddings
         if not sched.enable_chunked_prefill:  # a whole prompt must fit in one step
             max_fit_len = min(max_fit_len, sched.max_num_batched_tokens)
-        lookback = config.kv_lookback
-        if lookback is not None:
+        window_tokens = config.kv_lookback
+        if window_tokens is not None:
             # One step may add max_num_batched_tokens (plus rejected proposals) to what a
             # request holds behind its window.
             spec = config.speculative_config
-            lookback += sched.max_num_batched_tokens + (spec.num_speculative_tokens if spec else 0)
+            window_tokens += sched.max_num_batched_tokens
+            window_tokens += spec.num_speculative_tokens if spec else 0
         sizing = compute_kv_cache_sizing(
-            specs, available, config.cache_config, model.max_model_len, max_fit_len, lookback
+            specs, available, config.cache_config, model.max_model_len, max_fit_len, window_tokens
         )
         # The workers get the config as settled here (max_model_len after auto-fit).
         settled = config.with_max_model_len(sizing.max_model_len)

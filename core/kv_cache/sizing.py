@@ -51,12 +51,12 @@ def compute_kv_cache_sizing(
     cache_config: CacheConfig,
     max_model_len: int,
     max_fit_len: int,
-    lookback: int | None = None,
+    window_tokens: int | None = None,
 ) -> KVCacheSizing:
     """max_fit_len: the longest context `max_model_len=-1` may fit to (the model's position
     limit, and without chunked prefill also the step's token budget, which a prompt or a
-    preempted request's recomputation must fit in). lookback: where blocks behind a window
-    are freed, the most tokens a request keeps (its window plus one step's tokens)."""
+    preempted request's recomputation must fit in). window_tokens: where blocks behind a
+    window are freed, the most tokens a request keeps (its window plus one step's tokens)."""
     if not specs:
         raise ValueError("the model reported no attention layers, so there is no KV cache to size")
     block_sizes = {s.block_size for s in specs}
@@ -71,10 +71,11 @@ def compute_kv_cache_sizing(
     # Block 0 is the null block, so a request can use at most num_blocks - 1 blocks.
     usable_tokens = max(num_blocks - 1, 0) * block_size
     # A window starting inside a block keeps that block: one more than the window covers.
-    windowed = None if lookback is None else (cdiv(lookback, block_size) + 1) * block_size
+    windowed = None if window_tokens is None else (cdiv(window_tokens, block_size) + 1) * block_size
     if max_model_len == -1:
-        max_model_len = max_fit_len if windowed and windowed <= usable_tokens else usable_tokens
-        max_model_len = min(max_model_len, max_fit_len)
+        # A window that fits lets a request grow to any length.
+        fits_any = windowed is not None and windowed <= usable_tokens
+        max_model_len = max_fit_len if fits_any else min(usable_tokens, max_fit_len)
         if max_model_len < 1:
             raise ValueError(_too_small_message(1, block_size, bytes_per_block, available_bytes))
         logger.info("max_model_len=-1: fitted to %d tokens", max_model_len)

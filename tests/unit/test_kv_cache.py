@@ -80,26 +80,27 @@ def test_a_sliding_window_bounds_what_a_request_holds() -> None:
     concurrency counts requests of that size."""
     specs = _specs(2, 2, 8, 4, 16)
     cache = CacheConfig(block_size=16, num_gpu_blocks_override=21)  # 20 usable: 320 tokens
-    # lookback 100 (say a 64-token window and 36 tokens a step): cdiv(100, 16) + 1 = 8 blocks.
-    sizing = compute_kv_cache_sizing(specs, 10**12, cache, 4096, 8192, lookback=100)
+    # window_tokens 100 (say a 64-token window and 36 tokens a step): cdiv(100, 16) + 1 = 8 blocks.
+    sizing = compute_kv_cache_sizing(specs, 10**12, cache, 4096, 8192, window_tokens=100)
     assert sizing.max_model_len == 4096 and sizing.max_request_tokens == 128
     assert sizing.max_concurrency == 21 * 16 / 128
     with pytest.raises(ValueError, match="max_model_len=4096"):  # whole, it does not fit
         compute_kv_cache_sizing(specs, 10**12, cache, 4096, 8192)
     # Fitted: the model's whole context, since the window fits.
-    fitted = compute_kv_cache_sizing(specs, 10**12, cache, -1, 8192, lookback=100)
+    fitted = compute_kv_cache_sizing(specs, 10**12, cache, -1, 8192, window_tokens=100)
     assert fitted.max_model_len == 8192
-    short = compute_kv_cache_sizing(specs, 10**12, cache, 64, 8192, lookback=100)
+    short = compute_kv_cache_sizing(specs, 10**12, cache, 64, 8192, window_tokens=100)
     assert short.max_request_tokens == 64  # a request shorter than its window
     # A window the cache cannot hold: cdiv(400, 16) + 1 = 26 blocks, 416 tokens.
     with pytest.raises(ValueError, match="fewer than the 416 one request"):
-        compute_kv_cache_sizing(specs, 10**12, cache, 4096, 8192, lookback=400)
+        compute_kv_cache_sizing(specs, 10**12, cache, 4096, 8192, window_tokens=400)
     free = CacheConfig(block_size=16)  # 4 KiB a block, 100 KiB: 24 usable blocks, 384 tokens
     with pytest.raises(ValueError, match=r"needs 110592 bytes .* 416 tokens \(the sliding"):
-        compute_kv_cache_sizing(specs, 100 * 1024, free, 4096, 8192, lookback=400)
+        compute_kv_cache_sizing(specs, 100 * 1024, free, 4096, 8192, window_tokens=400)
     # With too little room for the window, max_model_len=-1 fits a whole request instead.
     assert (
-        compute_kv_cache_sizing(specs, 10**12, cache, -1, 8192, lookback=400).max_model_len == 320
+        compute_kv_cache_sizing(specs, 10**12, cache, -1, 8192, window_tokens=400).max_model_len
+        == 320
     )
 
 

@@ -81,14 +81,13 @@ def gemm_rows(n: int) -> int:
     """The row count a CPU matmul of n rows runs at: n rounded up to one of eight steps per
     power of two, 16 at least (17 -> 18, 100 -> 104, 1500 -> 1536).
 
-    oneDNN compiles a kernel for every matmul shape it meets (1.5-4 ms and about 1 MB each
-    on a 2-core AMX CPU) and keeps the last ONEDNN_KERNEL_CACHE of them (worker/platform.py).
-    Each expert's share of a step's tokens changes from step to step: unrounded, its
-    kernels never stop being compiled, or evicted and compiled again (1248 compiled in one
-    W1-cpu run of the tiny Qwen3-MoE, 127 rounded). Rounded, a weight meets about 70 shapes
-    up to 8192 rows, for at most 1/8 more rows. (Dense layers run on the step's token count
-    as it is: a few hundred counts per run, and padding their inputs costs 15-40% of a
-    small matmul here.)"""
+    oneDNN compiles a kernel for every matmul shape it meets and keeps a bounded number of
+    them (worker/platform.py: ONEDNN_KERNEL_CACHE). Each expert's share of a step's tokens
+    changes from step to step: unrounded, its kernels never stop being compiled, or evicted
+    and compiled again (1248 compiled in one W1-cpu run of the tiny Qwen3-MoE, 127 rounded).
+    Rounded, a weight meets about 70 shapes up to 8192 rows, for at most 1/8 more rows.
+    (Dense layers run on the step's token count as it is: a few hundred counts per run, and
+    padding their inputs costs 15-40% of a small matmul here.)"""
     if n <= 16:
         return 16
     step = 1 << (n.bit_length() - 4)
@@ -154,18 +153,15 @@ def moe_on_cpu(
         )
         y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(-1, hidden)
     else:
+        spans = [(e, slice(offsets[e], offsets[e + 1])) for e, size in enumerate(blocks) if size]
         gate_up = padded.new_empty(offsets[-1], w13.shape[1])
-        for expert, size in enumerate(blocks):
-            if size:
-                span = slice(offsets[expert], offsets[expert] + size)
-                torch.mm(padded[span], w13[expert].t(), out=gate_up[span])
+        for expert, span in spans:
+            torch.mm(padded[span], w13[expert].t(), out=gate_up[span])
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
         y = padded.new_empty(offsets[-1], hidden)
-        for expert, size in enumerate(blocks):
-            if size:
-                span = slice(offsets[expert], offsets[expert] + size)
-                torch.mm(act[span], w2[expert].t(), out=y[span])
+        for expert, span in spans:
+            torch.mm(act[span], w2[expert].t(), out=y[span])
     out = torch.zeros_like(x)
     out.index_add_(0, tokens, y[rows] * weights.reshape(-1)[order, None])
     return out
