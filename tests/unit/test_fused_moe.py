@@ -10,6 +10,7 @@ import torch
 from tokenmill.kernels.reference import fused_moe_reference
 from tokenmill.worker.layers.fused_moe import (
     BATCHED_MAX_ASSIGNMENTS,
+    WEIGHTS_FIRST_MAX_ROWS,
     FusedMoE,
     gemm_rows,
     moe_on_cpu,
@@ -17,10 +18,12 @@ from tokenmill.worker.layers.fused_moe import (
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3, 40, 300, BATCHED_MAX_ASSIGNMENTS // 2 + 7])
+@pytest.mark.parametrize("tokens", [1, 3, 40, 300, 1100, BATCHED_MAX_ASSIGNMENTS // 2 + 7])
 def test_cpu_moe_matches_the_per_expert_reference(tokens: int, dtype: torch.dtype) -> None:
-    """Batched (40, 300 tokens) and per expert (1 and 3: fewer assignments than experts;
-    the last: more than BATCHED_MAX_ASSIGNMENTS), each expert's rows padded."""
+    """Every path, each expert's rows padded: per expert, weights first (1 and 3 tokens:
+    fewer assignments than experts); batched, weights first (40, 300); batched, weights
+    second (1100: blocks past WEIGHTS_FIRST_MAX_ROWS); per expert, weights second (more than
+    BATCHED_MAX_ASSIGNMENTS)."""
     g = torch.Generator().manual_seed(tokens)
     experts, hidden, inter, top_k = 8, 32, 24, 2
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
@@ -30,6 +33,8 @@ def test_cpu_moe_matches_the_per_expert_reference(tokens: int, dtype: torch.dtyp
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
     weights = weights.to(dtype)
     expected = fused_moe_reference(x, w13, w2, weights, ids)
+    per_expert = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert (gemm_rows(int(per_expert.max())) <= WEIGHTS_FIRST_MAX_ROWS) == (tokens <= 300)
     got = moe_on_cpu(x, w13, w2, weights, ids)
     assert got.shape == expected.shape and got.dtype == dtype
     # bf16: the same products, rounded to 8 bits where the two paths round differently.
