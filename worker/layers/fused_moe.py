@@ -15,6 +15,7 @@ expert and runs grouped GEMMs (kernels/fused_moe.py).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,60 +136,64 @@ def moe_on_cpu(
     block. Small blocks are multiplied weights-first (WEIGHTS_FIRST_MAX_ROWS). The products
     are weighted and added into the tokens' rows."""
     num_experts, hidden = w13.shape[0], x.shape[1]
-    flat = ids.reshape(-1)
-    assignments = flat.numel()
-    experts, order = torch.sort(flat, stable=True)
-    per_expert = torch.bincount(flat, minlength=num_experts).tolist()
-    capacity = gemm_rows(max(per_expert))
+    # The bookkeeping runs in numpy: at decode a few hundred assignments, where a torch op
+    # costs more than its work.
+    flat = ids.reshape(-1).cpu().numpy()
+    assignments = flat.size
+    order = np.argsort(flat, kind="stable")
+    experts = flat[order]
+    per_expert = np.bincount(flat, minlength=num_experts)
+    capacity = gemm_rows(int(per_expert.max()))
     batched = (
-        3 * sum(n > 0 for n in per_expert) >= num_experts  # a third of the experts in use
+        3 * np.count_nonzero(per_expert) >= num_experts  # a third of the experts in use
         and assignments <= BATCHED_MAX_ASSIGNMENTS
         and (capacity <= BATCHED_WEIGHT_BOUND_ROWS or num_experts * capacity <= 2 * assignments)
     )
-    blocks = [capacity if batched else gemm_rows(n) if n else 0 for n in per_expert]
+    blocks = [capacity if batched else gemm_rows(n) if n else 0 for n in per_expert.tolist()]
+    offsets = np.concatenate(([0], np.cumsum(blocks)))
     # Each assignment's row among the blocks: its expert's first row, plus its rank among the
     # expert's assignments (its place in sorted order less the assignments sorted before).
-    offsets, shift, sorted_before = [0], [], 0
-    for size, n in zip(blocks, per_expert):
-        shift.append(offsets[-1] - sorted_before)
-        offsets.append(offsets[-1] + size)
-        sorted_before += n
-    rows = torch.tensor(shift, device=x.device)[experts]
-    rows += torch.arange(assignments, device=x.device)
+    rows = (offsets[:-1] - np.cumsum(per_expert) + per_expert)[experts] + np.arange(assignments)
     tokens = order // ids.shape[1]
     # Each block row's token (padding rows repeat token 0: finite, and never read back).
-    source = torch.zeros(offsets[-1], dtype=torch.long, device=x.device)
+    source = np.zeros(int(offsets[-1]), dtype=np.int64)
     source[rows] = tokens
-    padded = x.index_select(0, source)
+
+    def index(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(x.device)
+
+    padded = x.index_select(0, index(source))
     inter = w2.shape[2]
     # Small blocks multiply weights-first (see WEIGHTS_FIRST_MAX_ROWS): [2I, H] @ [H, rows].
     weights_first = max(blocks) <= WEIGHTS_FIRST_MAX_ROWS
     if batched and weights_first:
         gate_up = torch.bmm(w13, padded.view(num_experts, capacity, -1).transpose(1, 2))
         act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-        picked = torch.bmm(w2, act)[experts, :, rows % capacity]  # [assignments, H]
+        rank = rows - experts * capacity
+        picked = torch.bmm(w2, act)[index(experts), :, index(rank)]  # [assignments, H]
     elif batched:
         gate, up = torch.bmm(padded.view(num_experts, capacity, -1), w13.transpose(1, 2)).chunk(
             2, dim=-1
         )
-        picked = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(-1, hidden)[rows]
+        picked = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(-1, hidden)[index(rows)]
     else:
-        spans = [(e, slice(offsets[e], offsets[e + 1])) for e, size in enumerate(blocks) if size]
-        y = padded.new_empty(offsets[-1], hidden)
+        bounds = offsets.tolist()
+        spans = [(e, slice(bounds[e], bounds[e + 1])) for e, size in enumerate(blocks) if size]
+        y = padded.new_empty(bounds[-1], hidden)
         if weights_first:
             for expert, span in spans:
                 gate_up = torch.mm(w13[expert], padded[span].t())
                 act = F.silu(gate_up[:inter]).mul_(gate_up[inter:])
                 torch.mm(w2[expert], act, out=y[span].t())
         else:
-            gate_up = padded.new_empty(offsets[-1], w13.shape[1])
+            gate_up = padded.new_empty(bounds[-1], w13.shape[1])
             for expert, span in spans:
                 torch.mm(padded[span], w13[expert].t(), out=gate_up[span])
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
             for expert, span in spans:
                 torch.mm(act[span], w2[expert].t(), out=y[span])
-        picked = y[rows]
+        picked = y[index(rows)]
     out = torch.zeros_like(x)
-    out.index_add_(0, tokens, picked * weights.reshape(-1)[order, None])
+    out.index_add_(0, index(tokens), picked * weights.reshape(-1)[index(order), None])
     return out

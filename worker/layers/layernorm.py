@@ -8,6 +8,19 @@ from torch import nn
 from tokenmill.worker.layers.custom_op import CustomOp
 
 
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in HF's arithmetic, in the same order, with in-place
+    steps on the temporaries; `weight` broadcasts against x (per-head norms may pass one row
+    of weights per head)."""
+    dtype = x.dtype
+    x = x.float()
+    scale = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    y = x * scale
+    if y.dtype != dtype:
+        y = y.to(dtype)
+    return y.mul_(weight)
+
+
 class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -15,14 +28,7 @@ class RMSNorm(CustomOp):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's arithmetic, in the same order, with in-place steps on the temporaries.
-        dtype = x.dtype
-        x = x.float()
-        scale = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        y = x * scale
-        if y.dtype != dtype:
-            y = y.to(dtype)
-        return y.mul_(self.weight)
+        return rms_norm_native(x, self.weight, self.eps)
 
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
