@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from tokenmill.kernels.reference import paged_attention, write_kv_cache
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import StepAttentionInputs
-from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
+from tokenmill.worker.attention.torch_backend import (
+    TorchAttentionBackend,
+    decode_query_per_head,
+)
 
 
 def make_batch(query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size, seed=0):
@@ -113,6 +116,47 @@ def test_torch_backend_matches_reference(
     # A second layer reuses the scratch copies of the first.
     again = backend.forward(q, k, v, first_cache, meta, scale, window, softcap)
     torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 4), (6, 2)])
+def test_bf16_decodes_in_either_query_form(heads: int, kv_heads: int) -> None:
+    """bf16 decodes whose KV heads serve two query heads attend with a query row per head,
+    those with three with the heads stacked as rows (decode_query_per_head): both against the
+    fp32 reference on the same rounded inputs, to bf16's precision."""
+    assert decode_query_per_head(torch.bfloat16, heads // kv_heads) == (heads // kv_heads == 2)
+    block_size, head_size, num_blocks = 4, 16, 200
+    rng = np.random.default_rng(1)
+    seq_lens = [int(n) for n in rng.integers(1, 40, 9)]
+    query_lens = [1] * len(seq_lens)
+    tables, cache, slot_mapping, block_table, g = make_batch(
+        query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size
+    )
+    q, k, v = (
+        torch.randn(len(seq_lens), n, head_size, generator=g).bfloat16()
+        for n in (heads, kv_heads, kv_heads)
+    )
+    cache = cache.bfloat16()
+    ref_cache = cache.float()
+    write_kv_cache(ref_cache, k.float(), v.float(), torch.from_numpy(slot_mapping))
+    scale = head_size**-0.5
+    expected = paged_attention(q.float(), ref_cache, tables, seq_lens, query_lens, scale)
+    backend = TorchAttentionBackend()
+    backend.set_block_bytes(2 * block_size * kv_heads * head_size * 2)
+    meta = backend.build_metadata(
+        StepAttentionInputs(
+            num_decodes=len(seq_lens),
+            query_lens=np.array(query_lens),
+            seq_lens=np.array(seq_lens),
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            block_size=block_size,
+            device=torch.device("cpu"),
+            dtype=torch.bfloat16,
+        )
+    )
+    out = backend.forward(q, k, v, cache, meta, scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2**-7)
 
 
 def test_reference_matches_dense_causal_attention() -> None:
