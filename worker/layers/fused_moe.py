@@ -60,11 +60,15 @@ class FusedMoE(CustomOp):
             raise ValueError(f"an expert's shard is gate, up or down, got {shard!r}")
 
     def route(self, router_logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """(weights, expert ids), each [T, top_k]."""
+        """(weights, expert ids), each [T, top_k]. Renormalized, the top_k probabilities are
+        the softmax of the top_k logits (the full softmax's denominator cancels), so that the
+        softmax runs over top_k values instead of every expert and the division goes; the
+        order is the same (softmax is monotonic)."""
+        if self.renormalize:
+            logits, ids = torch.topk(router_logits, self.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1, dtype=torch.float32).to(dtype), ids
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(dtype), ids
 
     def forward_native(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -142,8 +146,11 @@ def moe_on_cpu(
     them so that oneDNN meets a few matmul shapes instead of a new one per expert and step.
     Blocks of one size, the busiest expert's, go through two batched matmuls when that pays
     (see BATCHED_MAX_ASSIGNMENTS); otherwise each expert with tokens multiplies its own
-    block. Small blocks are multiplied weights-first (WEIGHTS_FIRST_MAX_ROWS). The products
-    are weighted and added into the tokens' rows."""
+    block. Small blocks are multiplied weights-first (WEIGHTS_FIRST_MAX_ROWS). Each row's
+    activations are scaled by its routing weight (0 on padding rows) before the down
+    projection, as vLLM's kernel weights the rows it computes, so that the block rows add
+    into their tokens' rows as they are: no gather of the assignments' rows, no second
+    weighting pass over the wider output."""
     num_experts, hidden = w13.shape[0], x.shape[1]
     # The bookkeeping runs in numpy: at decode a few hundred assignments, where a torch op
     # costs more than its work.
@@ -166,28 +173,30 @@ def moe_on_cpu(
     # Each assignment's row among the blocks: its expert's first row, plus its rank among the
     # expert's assignments (its place in sorted order less the assignments sorted before).
     rows = (offsets[:-1] - np.cumsum(per_expert) + per_expert)[experts] + np.arange(assignments)
-    tokens = order // ids.shape[1]
-    # Each block row's token (padding rows repeat token 0: finite, and never read back).
+    # Each block row's token and routing weight (padding rows repeat token 0, finite, with
+    # weight 0: they add zeros).
     source = np.zeros(int(offsets[-1]), dtype=np.int64)
-    source[rows] = tokens
+    source[rows] = order // ids.shape[1]
+    row_weights = np.zeros(source.size, dtype=np.float32)
+    row_weights[rows] = weights.reshape(-1).float().numpy()[order]
+    source_t = torch.from_numpy(source).to(x.device)
+    scale = torch.from_numpy(row_weights).to(x.device, x.dtype)  # exact: they were x.dtype
 
-    def index(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(x.device)
-
-    padded = x.index_select(0, index(source))
+    padded = x.index_select(0, source_t)
     inter = w2.shape[2]
     # Small blocks multiply weights-first (see WEIGHTS_FIRST_MAX_ROWS): [2I, H] @ [H, rows].
     weights_first = max(blocks) <= WEIGHTS_FIRST_MAX_ROWS
     if batched and weights_first:
         gate_up = torch.bmm(w13, padded.view(num_experts, capacity, -1).transpose(1, 2))
         act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-        rank = rows - experts * capacity
-        picked = torch.bmm(w2, act)[index(experts), :, index(rank)]  # [assignments, H]
+        act.mul_(scale.view(num_experts, 1, capacity))
+        y = torch.bmm(w2, act).transpose(1, 2).reshape(-1, hidden)  # [E, H, rows] -> rows
     elif batched:
         gate, up = torch.bmm(padded.view(num_experts, capacity, -1), w13.transpose(1, 2)).chunk(
             2, dim=-1
         )
-        picked = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(-1, hidden)[index(rows)]
+        act = F.silu(gate).mul_(up).mul_(scale.view(num_experts, capacity, 1))
+        y = torch.bmm(act, w2.transpose(1, 2)).view(-1, hidden)
     else:
         bounds = offsets.tolist()
         spans = [(e, slice(bounds[e], bounds[e + 1])) for e, size in enumerate(blocks) if size]
@@ -195,20 +204,17 @@ def moe_on_cpu(
         if weights_first:
             for expert, span in spans:
                 gate_up = torch.mm(w13[expert], padded[span].t())
-                act = F.silu(gate_up[:inter]).mul_(gate_up[inter:])
+                act = F.silu(gate_up[:inter]).mul_(gate_up[inter:]).mul_(scale[span])
                 torch.mm(w2[expert], act, out=y[span].t())
         else:
             gate_up = padded.new_empty(bounds[-1], w13.shape[1])
             for expert, span in spans:
                 torch.mm(padded[span], w13[expert].t(), out=gate_up[span])
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = F.silu(gate).mul_(up).mul_(scale[:, None])
             for expert, span in spans:
                 torch.mm(act[span], w2[expert].t(), out=y[span])
-        picked = y[index(rows)]
-    out = torch.zeros_like(x)
-    out.index_add_(0, index(tokens), picked * weights.reshape(-1)[index(order), None])
-    return out
+    return torch.zeros_like(x).index_add_(0, source_t, y)
 
 
 def _every_expert(
