@@ -11,8 +11,10 @@ from tokenmill.kernels.reference import fused_moe_reference
 from tokenmill.worker.layers.fused_moe import (
     BATCHED_MAX_ASSIGNMENTS,
     DENSE_MAX_TOKENS,
+    OWN_BLOCK_ROWS,
     WEIGHTS_FIRST_MAX_ROWS,
     FusedMoE,
+    batched_capacity,
     gemm_rows,
     moe_on_cpu,
 )
@@ -52,6 +54,47 @@ def test_cpu_moe_matches_the_per_expert_reference(tokens: int, dtype: torch.dtyp
         for e in range(experts)
     )
     torch.testing.assert_close(got.float(), expected, rtol=0, atol=float(largest) * 2**-6)
+
+
+def _assert_matches_reference(x, w13, w2, weights, ids) -> None:
+    got = moe_on_cpu(x, w13, w2, weights, ids)
+    inputs = [t.float() if t.is_floating_point() else t for t in (x, w13, w2, weights, ids)]
+    expected = fused_moe_reference(*inputs)
+    largest = max(
+        (fused_moe_reference(*inputs[:3], (ids == e).float() * inputs[3], ids).abs().max())
+        for e in range(w13.shape[0])
+    )
+    torch.testing.assert_close(got.float(), expected, rtol=0, atol=float(largest) * 2**-6)
+
+
+@pytest.mark.parametrize("tokens, busy", [(1500, 1500), (1000, 450)])
+def test_skewed_routing_splits_the_busiest_expert_off(tokens: int, busy: int) -> None:
+    """One expert takes far more tokens than the rest: the batched blocks hold what the others
+    need and the busy expert multiplies the rest in a block of its own (weights second for
+    1276 rows, weights first for about 230)."""
+    g = torch.Generator().manual_seed(busy)
+    experts, hidden, inter = 8, 32, 24
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g).bfloat16()
+    w2 = torch.randn(experts, hidden, inter, generator=g).bfloat16()
+    # Expert 0 is the first pick of `busy` tokens; every other pick is among experts 1-7.
+    first = torch.randint(1, experts, (tokens,), generator=g)
+    first[:busy] = 0
+    second = (first + torch.randint(1, experts - 1, (tokens,), generator=g)) % experts
+    second = torch.where(second == 0, 1 + first % (experts - 1), second)
+    ids = torch.stack((first, second), dim=1)
+    assert bool((ids[:, 0] != ids[:, 1]).all())
+    weights = torch.rand(tokens, 2, generator=g).softmax(-1).bfloat16()
+    per_expert = torch.bincount(ids.reshape(-1), minlength=experts).numpy()
+    capacity = batched_capacity(per_expert, ids.numel())
+    assert 0 < capacity < per_expert[0] and gemm_rows(int(per_expert.max())) > capacity
+    own = gemm_rows(int(per_expert[0]) - capacity)
+    assert (own > WEIGHTS_FIRST_MAX_ROWS) == (busy == tokens)
+    rows = experts * capacity + sum(
+        gemm_rows(int(n) - capacity) + OWN_BLOCK_ROWS for n in per_expert if n > capacity
+    )
+    assert rows < experts * gemm_rows(int(per_expert.max()))
+    _assert_matches_reference(x, w13, w2, weights, ids)
 
 
 def test_routing_is_hf_s() -> None:

@@ -7,10 +7,12 @@ dtype. The experts' weights are stacked into one parameter per projection, w13 [
 (gate rows, then up rows) and w2 [E, H, I], filled expert by expert from the checkpoint's
 per-expert tensors, and split along the intermediate dimension I across tensor-parallel ranks
 (as a column-parallel layer followed by a row-parallel one: each rank's output is a partial
-sum, all-reduced here). The CPU path is torch (`moe_on_cpu`): the tokens sorted by expert
-into padded blocks, then two batched matmuls over all experts for a step of up to a few
-thousand assignments, else a pair of matmuls per expert; the Triton path sorts tokens by
-expert and runs grouped GEMMs (kernels/fused_moe.py).
+sum, all-reduced here). The CPU path is torch (`moe_on_cpu`): every expert on every token
+for a few tokens; otherwise the tokens sorted by expert into padded blocks, two batched
+matmuls over all experts for a step of up to a few thousand assignments (an expert with
+more tokens than the blocks hold takes the rest in a block of its own), else a pair of
+matmuls per expert; the Triton path sorts tokens by expert and runs grouped GEMMs
+(kernels/fused_moe.py).
 """
 
 from __future__ import annotations
@@ -99,18 +101,28 @@ def gemm_rows(n: int) -> int:
     return -(-n // step) * step
 
 
-# When a step's experts run as two batched matmuls over blocks of one size (the busiest
-# expert's) instead of a pair of matmuls per expert: a dozen ops per layer instead of a few
-# per expert, for padding rows and for reading the weights of experts without tokens.
-# Measured on 2 AMX cores (16 experts, top-4, hidden 512, bf16, row counts rounded), batched
-# against per expert: 1 token (4 experts used) 0.94 against 0.74 ms per layer; 2 tokens (6
-# used) 0.89 against 0.96; 64 tokens 1.27 against 2.28; 1024 tokens 6.1-7.1 against 7.5-9.2;
-# 2048 tokens 19-22 against 24. Past BATCHED_MAX_ASSIGNMENTS assignments the padded copies
-# grow past tens of MB for little gain. Blocks of up to BATCHED_WEIGHT_BOUND_ROWS rows are
-# padded freely (such a matmul is bound by reading its weights), larger ones to at most
-# twice the assignments.
+# When a step's experts run as two batched matmuls over blocks of one size instead of a pair
+# of matmuls per expert: a dozen ops per layer instead of a few per expert, for padding rows
+# and for reading the weights of experts without tokens. Measured on 2 AMX cores (16
+# experts, top-4, hidden 512, bf16, row counts rounded), batched against per expert: 1 token
+# (4 experts used) 0.94 against 0.74 ms per layer; 2 tokens (6 used) 0.89 against 0.96; 64
+# tokens 1.27 against 2.28; 2048 tokens spread evenly 6.0 against 10.2 (oneDNN splits one
+# matmul of 512 rows or more between the cores poorly; a batched one gives each core whole
+# matmuls). Past BATCHED_MAX_ASSIGNMENTS assignments the padded copies grow past tens of MB
+# for little gain. Blocks of up to BATCHED_WEIGHT_BOUND_ROWS rows are padded freely (such a
+# matmul is bound by reading its weights), larger ones to at most twice the assignments.
 BATCHED_MAX_ASSIGNMENTS = 8192
 BATCHED_WEIGHT_BOUND_ROWS = 64
+
+# Where the batched blocks are large (past WEIGHTS_FIRST_MAX_ROWS: the matmuls are bound by
+# arithmetic, so every padding row costs), they need not hold the busiest expert: the
+# capacity that costs least is chosen (`batched_capacity`), and the experts with more tokens
+# multiply the rest in blocks of their own, each counted as OWN_BLOCK_ROWS rows more for its
+# extra pair of matmuls (64 and 1024 both did worse). A prefill step of 2048 tokens routes up
+# to twice the mean to one expert here (1010 of 8192 assignments against 512): one capacity
+# for all pads to 16384 rows and took 11.1-12.7 ms per layer; 576 rows for all and four own
+# blocks, 9924 rows, take 8.7. Evenly spread routing keeps one capacity.
+OWN_BLOCK_ROWS = 256
 
 # Blocks of up to this many rows multiply with the experts' weights as the first operand
 # (W [2I, H] @ block^T [H, rows]) instead of the second (block @ W^T). oneDNN's AMX and
@@ -132,6 +144,29 @@ WEIGHTS_FIRST_MAX_ROWS = 256
 DENSE_MAX_TOKENS = 16
 
 
+def batched_capacity(per_expert: np.ndarray, assignments: int) -> int:
+    """The rows of the blocks every expert gets in the batched matmuls, 0 for none (each
+    expert with tokens multiplies its own block). Experts with more tokens than that take
+    the rest in blocks of their own (see OWN_BLOCK_ROWS)."""
+    num_experts = per_expert.size
+    most_in_use = 3 * np.count_nonzero(per_expert) >= num_experts  # a third of them, at least
+    if not most_in_use or assignments > BATCHED_MAX_ASSIGNMENTS:
+        return 0
+    counts = per_expert.tolist()
+    busiest = gemm_rows(max(counts))
+    if busiest <= BATCHED_WEIGHT_BOUND_ROWS:
+        return busiest
+    if busiest <= WEIGHTS_FIRST_MAX_ROWS:  # bound by reading the weights: one block each
+        return busiest if num_experts * busiest <= 2 * assignments else 0
+
+    def rows(capacity: int) -> int:
+        extra = [gemm_rows(n - capacity) + OWN_BLOCK_ROWS for n in counts if n > capacity]
+        return num_experts * capacity + sum(extra)
+
+    capacity = min(sorted({gemm_rows(n) for n in counts if n}), key=rows)
+    return capacity if rows(capacity) <= 2 * assignments else 0
+
+
 def moe_on_cpu(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -141,16 +176,15 @@ def moe_on_cpu(
 ) -> torch.Tensor:
     """The experts' outputs, [T, H], as kernels/reference.py computes them.
 
-    The step's (token, expert) assignments are sorted by expert and each expert's tokens
-    copied into a block of padded rows (vLLM's `moe_align_block_size`), `gemm_rows` of
-    them so that oneDNN meets a few matmul shapes instead of a new one per expert and step.
-    Blocks of one size, the busiest expert's, go through two batched matmuls when that pays
-    (see BATCHED_MAX_ASSIGNMENTS); otherwise each expert with tokens multiplies its own
-    block. Small blocks are multiplied weights-first (WEIGHTS_FIRST_MAX_ROWS). Each row's
-    activations are scaled by its routing weight (0 on padding rows) before the down
-    projection, as vLLM's kernel weights the rows it computes, so that the block rows add
-    into their tokens' rows as they are: no gather of the assignments' rows, no second
-    weighting pass over the wider output."""
+    The step's (token, expert) assignments are sorted by expert and copied into blocks of
+    padded rows (vLLM's `moe_align_block_size`), `gemm_rows` of them so that oneDNN meets a
+    few matmul shapes instead of a new one per expert and step. Where that pays, every expert
+    gets a block of one size (`batched_capacity`) and they all go through two batched
+    matmuls; the tokens an expert has beyond it, or all of them where nothing is batched, go
+    into a block of its own with a pair of matmuls. Small blocks are multiplied weights-first
+    (WEIGHTS_FIRST_MAX_ROWS). Each row's activations are scaled by its routing weight (0 on
+    padding rows) before the down projection, as vLLM's kernel weights the rows it
+    computes, so that the block rows add into their tokens' rows as they are."""
     num_experts, hidden = w13.shape[0], x.shape[1]
     # The bookkeeping runs in numpy: at decode a few hundred assignments, where a torch op
     # costs more than its work.
@@ -162,20 +196,20 @@ def moe_on_cpu(
     assignments = flat.size
     order = np.argsort(flat, kind="stable")
     experts = flat[order]
-    capacity = gemm_rows(int(per_expert.max()))
-    batched = (
-        most_in_use
-        and assignments <= BATCHED_MAX_ASSIGNMENTS
-        and (capacity <= BATCHED_WEIGHT_BOUND_ROWS or num_experts * capacity <= 2 * assignments)
+    capacity = batched_capacity(per_expert, assignments)
+    own = [gemm_rows(n - capacity) if n > capacity else 0 for n in per_expert.tolist()]
+    batched_rows = num_experts * capacity
+    own_offsets = batched_rows + np.concatenate(([0], np.cumsum(own)))
+    # Each assignment's rank among its expert's (its place in sorted order less the
+    # assignments sorted before), then its row: in its expert's batched block while the
+    # rank fits, else in the expert's own block.
+    rank = np.arange(assignments) - (np.cumsum(per_expert) - per_expert)[experts]
+    rows = np.where(
+        rank < capacity, experts * capacity + rank, own_offsets[experts] + rank - capacity
     )
-    blocks = [capacity if batched else gemm_rows(n) if n else 0 for n in per_expert.tolist()]
-    offsets = np.concatenate(([0], np.cumsum(blocks)))
-    # Each assignment's row among the blocks: its expert's first row, plus its rank among the
-    # expert's assignments (its place in sorted order less the assignments sorted before).
-    rows = (offsets[:-1] - np.cumsum(per_expert) + per_expert)[experts] + np.arange(assignments)
     # Each block row's token and routing weight (padding rows repeat token 0, finite, with
     # weight 0: they add zeros).
-    source = np.zeros(int(offsets[-1]), dtype=np.int64)
+    source = np.zeros(int(own_offsets[-1]), dtype=np.int64)
     source[rows] = order // ids.shape[1]
     row_weights = np.zeros(source.size, dtype=np.float32)
     row_weights[rows] = weights.reshape(-1).float().numpy()[order]
@@ -183,37 +217,39 @@ def moe_on_cpu(
     scale = torch.from_numpy(row_weights).to(x.device, x.dtype)  # exact: they were x.dtype
 
     padded = x.index_select(0, source_t)
+    y = padded.new_empty(source.size, hidden)
     inter = w2.shape[2]
-    # Small blocks multiply weights-first (see WEIGHTS_FIRST_MAX_ROWS): [2I, H] @ [H, rows].
-    weights_first = max(blocks) <= WEIGHTS_FIRST_MAX_ROWS
-    if batched and weights_first:
-        gate_up = torch.bmm(w13, padded.view(num_experts, capacity, -1).transpose(1, 2))
-        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-        act.mul_(scale.view(num_experts, 1, capacity))
-        y = torch.bmm(w2, act).transpose(1, 2).reshape(-1, hidden)  # [E, H, rows] -> rows
-    elif batched:
-        gate, up = torch.bmm(padded.view(num_experts, capacity, -1), w13.transpose(1, 2)).chunk(
-            2, dim=-1
-        )
-        act = F.silu(gate).mul_(up).mul_(scale.view(num_experts, capacity, 1))
-        y = torch.bmm(act, w2.transpose(1, 2)).view(-1, hidden)
-    else:
-        bounds = offsets.tolist()
-        spans = [(e, slice(bounds[e], bounds[e + 1])) for e, size in enumerate(blocks) if size]
-        y = padded.new_empty(bounds[-1], hidden)
-        if weights_first:
-            for expert, span in spans:
-                gate_up = torch.mm(w13[expert], padded[span].t())
-                act = F.silu(gate_up[:inter]).mul_(gate_up[inter:]).mul_(scale[span])
-                torch.mm(w2[expert], act, out=y[span].t())
+    if capacity:
+        blocks = padded[:batched_rows].view(num_experts, capacity, hidden)
+        block_scale = scale[:batched_rows].view(num_experts, capacity)
+        out = y[:batched_rows].view(num_experts, capacity, hidden)
+        if capacity <= WEIGHTS_FIRST_MAX_ROWS:  # [2I, H] @ [H, rows]
+            gate_up = torch.bmm(w13, blocks.transpose(1, 2))
+            act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            act.mul_(block_scale.unsqueeze(1))
+            out.copy_(torch.bmm(w2, act).transpose(1, 2))
         else:
-            gate_up = padded.new_empty(bounds[-1], w13.shape[1])
-            for expert, span in spans:
-                torch.mm(padded[span], w13[expert].t(), out=gate_up[span])
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up).mul_(scale[:, None])
-            for expert, span in spans:
-                torch.mm(act[span], w2[expert].t(), out=y[span])
+            gate, up = torch.bmm(blocks, w13.transpose(1, 2)).chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up).mul_(block_scale.unsqueeze(2))
+            torch.bmm(act, w2.transpose(1, 2), out=out)
+    bounds = own_offsets.tolist()
+    spans = [(e, slice(bounds[e], bounds[e + 1])) for e, size in enumerate(own) if size]
+    if spans and max(own) <= WEIGHTS_FIRST_MAX_ROWS:
+        for expert, span in spans:
+            gate_up = torch.mm(w13[expert], padded[span].t())
+            act = F.silu(gate_up[:inter]).mul_(gate_up[inter:]).mul_(scale[span])
+            torch.mm(w2[expert], act, out=y[span].t())
+    elif spans:
+        # The own blocks' rows, and each span within them.
+        rows_own = slice(batched_rows, bounds[-1])
+        local = [(e, slice(r.start - batched_rows, r.stop - batched_rows)) for e, r in spans]
+        gate_up = padded.new_empty(rows_own.stop - rows_own.start, w13.shape[1])
+        for (expert, span), (_, at) in zip(spans, local):
+            torch.mm(padded[span], w13[expert].t(), out=gate_up[at])
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up).mul_(scale[rows_own, None])
+        for (expert, span), (_, at) in zip(spans, local):
+            torch.mm(act[at], w2[expert].t(), out=y[span])
     return torch.zeros_like(x).index_add_(0, source_t, y)
 
 
