@@ -234,6 +234,33 @@ def headless_rank(model, rank: int, rpc_port: int, *extra: str):
     )  # fmt: skip
 
 
+# How far apart the reference's two most likely tokens may be where a run's greedy tokens part
+# from it: a tie to within rounding.
+NEAR_TIE = 1e-4
+
+
+def assert_same_greedy_tokens(outputs, reference) -> None:
+    """Every request's greedy tokens equal the reference run's (which asked for logprobs=2),
+    or part from them only where the reference's two most likely tokens were tied to within
+    NEAR_TIE. A request batched with different neighbours meets matmuls and decode groups of
+    other shapes, whose fp32 sums round differently in the last place; over 800 tokens of a
+    random tiny model a near-tie then goes the other way now and again (one of 16 requests
+    parted once in a clean-checkout run). From there on the two continuations differ by
+    right, so only the length is compared. A lost or misplaced token parts at a position
+    with no such tie."""
+    assert len(outputs) == len(reference)
+    for out, ref in zip(outputs, reference):
+        got, want = out.outputs[0].token_ids, ref.outputs[0].token_ids
+        assert len(got) == len(want)
+        parted = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if parted is None:
+            continue
+        top = ref.outputs[0].logprobs[parted]
+        assert got[parted] in top, f"token {parted} is {got[parted]}, not among {sorted(top)}"
+        gap = top[want[parted]].logprob - top[got[parted]].logprob
+        assert gap < NEAR_TIE, f"token {parted}: {got[parted]} where {want[parted]} led by {gap}"
+
+
 def test_headless_rank_joins_leaves_and_rejoins(tiny_model) -> None:
     path = tiny_model("llama-gqa")
     prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 500 + 3 for j in range(4 + 5 * i)]}
@@ -244,7 +271,8 @@ def test_headless_rank_joins_leaves_and_rejoins(tiny_model) -> None:
     common = dict(skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20)
     one = LLM(str(path), **common)
     try:
-        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+        with_top_two = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True, logprobs=2)
+        expected = one.generate(prompts, with_top_two, use_tqdm=False)
     finally:
         one.shutdown()
     rpc_port = free_port_pair()
@@ -267,7 +295,7 @@ def test_headless_rank_joins_leaves_and_rejoins(tiny_model) -> None:
                 time.sleep(0.05)
             daemon.kill()
             thread.join(300)
-            assert [o.outputs[0].token_ids for o in result["out"]] == expected
+            assert_same_greedy_tokens(result["out"], expected)
             assert llm.get_stats()["data_parallel"]["ranks"][1]["state"] == "down"
             # Started again, the rank registers again and takes requests.
             with headless_rank(path, 1, rpc_port):
@@ -276,7 +304,7 @@ def test_headless_rank_joins_leaves_and_rejoins(tiny_model) -> None:
                     assert time.monotonic() < deadline, "the restarted rank did not rejoin"
                     time.sleep(0.2)
                 outputs = llm.generate(prompts, params, use_tqdm=False)
-                assert [o.outputs[0].token_ids for o in outputs] == expected
+                assert_same_greedy_tokens(outputs, expected)
                 ranks = llm.get_stats()["data_parallel"]["ranks"]
                 assert ranks[1]["stats"]["prefix_cache_queries"] > 0  # it served some
         finally:
