@@ -243,7 +243,7 @@ def assert_same_greedy_tokens(outputs, reference) -> None:
     """Every request's greedy tokens equal the reference run's (which asked for logprobs=2),
     or part from them only where the reference's two most likely tokens were tied to within
     NEAR_TIE. A request batched with different neighbours meets matmuls and decode groups of
-    other shapes, whose fp32 sums round differently in the last place; over 800 tokens of a
+    other shapes, whose fp32 sums may round differently in the last place; over 800 tokens of a
     random tiny model a near-tie then goes the other way now and again (one of 16 requests
     parted once in a clean-checkout run). From there on the two continuations differ by
     right, so only the length is compared. A lost or misplaced token parts at a position
