@@ -29,13 +29,16 @@ from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 from tokenmill.worker.staging import to_device
 
-# Bytes of K plus V one decode group may copy out of the cache on the CPU: by default the
-# L2 caches of the cores the step's threads run on (cpu_decode_group_bytes), this when the
-# machine does not say. Copying every decode's context at once and then attending reads it
-# from DRAM twice more (write, read back); a group this small is still in L2 when SDPA reads
-# it. Measured for SmolLM2 (24 KiB blocks, 64 decodes of 150-384 tokens, 2 AVX-512 cores):
-# 2 MiB groups take the decode attention from 120-140 ms to 90-95 ms per step; 1 request per
-# group is slower than either (too few heads to keep both threads busy).
+# Bytes of K plus V one decode group may copy out of the cache on the CPU: by default one
+# core's L2 cache (cpu_decode_group_bytes), this when the machine does not say. Copying every
+# decode's context at once and then attending reads it from DRAM twice more (write, read
+# back); a group this small is still in the caches when SDPA reads it. Measured for SmolLM2
+# (24 KiB blocks, 64 decodes of 150-384 tokens, 2 AVX-512 cores): 2 MiB groups take the
+# decode attention from 120-140 ms to 90-95 ms per step; 1 request per group is slower than
+# either (too few heads to keep both threads busy). On 2 AMX cores with 2 MiB L2 each, one
+# L2 beats both L2s together (8 layers cycled from DRAM, per layer): 43 decodes with 8/4
+# heads 1.15-1.18 against 1.21-1.26 ms, 64 decodes 1.67 against 1.84-1.90; SmolLM2's 9/3
+# heads 1.41-1.53 against 1.52-1.55; 1 MiB groups match 2, 8 MiB take 1.39-1.46.
 CPU_DECODE_GROUP_BYTES = 2 << 20
 _CACHE_DIR = "/sys/devices/system/cpu/cpu0/cache"
 
@@ -69,10 +72,10 @@ def cpu_cache_bytes(level: int, cache_dir: str = _CACHE_DIR) -> int | None:
 
 
 def cpu_decode_group_bytes() -> int:
-    """One L2 per thread of the step (each thread copies and attends its share of a group),
-    CPU_DECODE_GROUP_BYTES where the L2 size is unknown."""
+    """One core's L2 (see CPU_DECODE_GROUP_BYTES), CPU_DECODE_GROUP_BYTES where its size is
+    unknown."""
     l2 = cpu_cache_bytes(2)
-    return CPU_DECODE_GROUP_BYTES if l2 is None else l2 * max(1, torch.get_num_threads())
+    return CPU_DECODE_GROUP_BYTES if l2 is None else l2
 
 
 @dataclass
