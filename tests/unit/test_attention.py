@@ -3,6 +3,8 @@ and the reference against dense causal attention over unpaged tensors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -54,6 +56,22 @@ def make_batch(query_lens, seq_lens, num_blocks, block_size, kv_heads, head_size
     return tables, cache, slot_mapping, block_table, g
 
 
+def step_inputs(
+    num_decodes, query_lens, seq_lens, block_table, slot_mapping, block_size
+) -> StepAttentionInputs:  # fmt: skip
+    """The step description these tests hand to build_metadata (fp32 activations)."""
+    return StepAttentionInputs(
+        num_decodes=num_decodes,
+        query_lens=np.array(query_lens),
+        seq_lens=np.array(seq_lens),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        block_size=block_size,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+
+
 @pytest.mark.parametrize("window, softcap", [(None, None), (6, None), (None, 2.5), (9, 3.0)])
 @pytest.mark.parametrize("group_blocks", [None, 12])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
@@ -92,16 +110,7 @@ def test_torch_backend_matches_reference(
     )
     backend.set_block_bytes(page_bytes)
     meta = backend.build_metadata(
-        StepAttentionInputs(
-            num_decodes=num_decodes,
-            query_lens=np.array(query_lens),
-            seq_lens=np.array(seq_lens),
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            block_size=block_size,
-            device=torch.device("cpu"),
-            dtype=torch.float32,
-        )
+        step_inputs(num_decodes, query_lens, seq_lens, block_table, slot_mapping, block_size)
     )
     if group_blocks is None:
         assert len(meta.decode_groups) == 1
@@ -142,18 +151,9 @@ def test_bf16_decodes_in_either_query_form(heads: int, kv_heads: int) -> None:
     expected = paged_attention(q.float(), ref_cache, tables, seq_lens, query_lens, scale)
     backend = TorchAttentionBackend()
     backend.set_block_bytes(2 * block_size * kv_heads * head_size * 2)
-    meta = backend.build_metadata(
-        StepAttentionInputs(
-            num_decodes=len(seq_lens),
-            query_lens=np.array(query_lens),
-            seq_lens=np.array(seq_lens),
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            block_size=block_size,
-            device=torch.device("cpu"),
-            dtype=torch.bfloat16,
-        )
-    )
+    decodes = len(seq_lens)
+    inputs = step_inputs(decodes, query_lens, seq_lens, block_table, slot_mapping, block_size)
+    meta = backend.build_metadata(dataclasses.replace(inputs, dtype=torch.bfloat16))
     out = backend.forward(q, k, v, cache, meta, scale)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2**-7)

@@ -199,17 +199,19 @@ def moe_on_cpu(
     capacity = batched_capacity(per_expert, assignments)
     own = [gemm_rows(n - capacity) if n > capacity else 0 for n in per_expert.tolist()]
     batched_rows = num_experts * capacity
-    own_offsets = batched_rows + np.concatenate(([0], np.cumsum(own)))
+    own_starts = np.concatenate(([0], np.cumsum(own)))  # counted from the first own-block row
     # Each assignment's rank among its expert's (its place in sorted order less the
     # assignments sorted before), then its row: in its expert's batched block while the
-    # rank fits, else in the expert's own block.
+    # rank fits, else in the expert's own block (after all the batched ones).
     rank = np.arange(assignments) - (np.cumsum(per_expert) - per_expert)[experts]
     rows = np.where(
-        rank < capacity, experts * capacity + rank, own_offsets[experts] + rank - capacity
+        rank < capacity,
+        experts * capacity + rank,
+        batched_rows + own_starts[experts] + rank - capacity,
     )
     # Each block row's token and routing weight (padding rows repeat token 0, finite, with
     # weight 0: they add zeros).
-    source = np.zeros(int(own_offsets[-1]), dtype=np.int64)
+    source = np.zeros(batched_rows + int(own_starts[-1]), dtype=np.int64)
     source[rows] = order // ids.shape[1]
     row_weights = np.zeros(source.size, dtype=np.float32)
     row_weights[rows] = weights.reshape(-1).float().numpy()[order]
@@ -232,24 +234,23 @@ def moe_on_cpu(
             gate, up = torch.bmm(blocks, w13.transpose(1, 2)).chunk(2, dim=-1)
             act = F.silu(gate).mul_(up).mul_(block_scale.unsqueeze(2))
             torch.bmm(act, w2.transpose(1, 2), out=out)
-    bounds = own_offsets.tolist()
+    # The own blocks, each expert's span of rows in them.
+    x_own, y_own, scale_own = padded[batched_rows:], y[batched_rows:], scale[batched_rows:]
+    bounds = own_starts.tolist()
     spans = [(e, slice(bounds[e], bounds[e + 1])) for e, size in enumerate(own) if size]
     if spans and max(own) <= WEIGHTS_FIRST_MAX_ROWS:
         for expert, span in spans:
-            gate_up = torch.mm(w13[expert], padded[span].t())
-            act = F.silu(gate_up[:inter]).mul_(gate_up[inter:]).mul_(scale[span])
-            torch.mm(w2[expert], act, out=y[span].t())
+            gate_up = torch.mm(w13[expert], x_own[span].t())
+            act = F.silu(gate_up[:inter]).mul_(gate_up[inter:]).mul_(scale_own[span])
+            torch.mm(w2[expert], act, out=y_own[span].t())
     elif spans:
-        # The own blocks' rows, and each span within them.
-        rows_own = slice(batched_rows, bounds[-1])
-        local = [(e, slice(r.start - batched_rows, r.stop - batched_rows)) for e, r in spans]
-        gate_up = padded.new_empty(rows_own.stop - rows_own.start, w13.shape[1])
-        for (expert, span), (_, at) in zip(spans, local):
-            torch.mm(padded[span], w13[expert].t(), out=gate_up[at])
+        gate_up = x_own.new_empty(x_own.shape[0], w13.shape[1])
+        for expert, span in spans:
+            torch.mm(x_own[span], w13[expert].t(), out=gate_up[span])
         gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate).mul_(up).mul_(scale[rows_own, None])
-        for (expert, span), (_, at) in zip(spans, local):
-            torch.mm(act[at], w2[expert].t(), out=y[span])
+        act = F.silu(gate).mul_(up).mul_(scale_own[:, None])
+        for expert, span in spans:
+            torch.mm(act[span], w2[expert].t(), out=y_own[span])
     return torch.zeros_like(x).index_add_(0, source_t, y)
 
 
