@@ -26,11 +26,12 @@
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-STEPS=${*:-tests moe steps w1 spec}
-for step in $STEPS; do
-  case $step in tests|moe|steps|w1|spec) ;; *) echo "unknown step: $step (tests moe steps w1 spec)"; exit 2 ;; esac
-done
+ALL_STEPS="tests moe steps w1 spec"
+STEPS=${*:-$ALL_STEPS}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
+for step in $STEPS; do
+  [[ " $ALL_STEPS " == *" $step "* ]] || { echo "unknown step: $step ($ALL_STEPS)"; exit 2; }
+done
 if ! python3 -c "import zmq, msgspec" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
