@@ -7,9 +7,22 @@ in the whole frontend.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
+
+
+def _unshadow() -> None:
+    """This package's folder is the repository's root, whose subfolders (kernels/, core/, ...)
+    shadow PyPI packages of the same names while the root is on sys.path, as it is for
+    `python -m ...` run there (transformers imports the `kernels` package): the root goes."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+
+
+_unshadow()
 
 _PUBLIC = {
     "LLM": "tokenmill.frontend.llm",

@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# First of the project: it takes the repository's root off sys.path (`python -m pytest` puts
+# it there), where its kernels/ folder would shadow the `kernels` package transformers imports.
+import tokenmill  # noqa: F401
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without a GPU, Triton kernels run in its interpreter on CPU tensors; it must be chosen before
 # any kernel module is imported.
