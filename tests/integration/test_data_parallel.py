@@ -235,8 +235,10 @@ def headless_rank(model, rank: int, rpc_port: int, *extra: str):
 
 
 # How far apart the reference's two most likely tokens may be where a run's greedy tokens part
-# from it: a tie to within rounding.
-NEAR_TIE = 1e-4
+# from it: a tie to within rounding. Rounding differences grow along a request's 800 tokens
+# (each position attends to keys computed in other batch shapes): 2.4e-4 was seen at token 661
+# on a loaded machine.
+NEAR_TIE = 1e-3
 
 
 def assert_same_greedy_tokens(outputs, reference) -> None:
