@@ -184,6 +184,7 @@ class AsyncLLM:
         messages: list[dict[str, Any]],
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
         **template_kwargs: Any,
     ) -> dict[str, Any]:
         """A chat rendered with the model's template, as a token prompt for generate()."""
@@ -194,6 +195,7 @@ class AsyncLLM:
             chat_template,
             add_generation_prompt,
             template_kwargs,
+            add_special_tokens,
         )
 
     async def _run_off_loop(self, fn: Callable, *args: Any) -> Any:

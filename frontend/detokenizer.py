@@ -3,7 +3,8 @@
 Keeps two offsets into the token list: text up to `read_offset` has been emitted; decoding
 restarts at `prefix_offset`, a few tokens back, so that multi-token characters and
 tokenizers that merge spaces decode exactly as a full decode would. Text ending in the
-replacement character waits for the tokens that complete it.
+replacement character waits for the tokens that complete it; at the request's end,
+`finish()` emits what still waits, as a full decode shows it.
 """
 
 from __future__ import annotations
@@ -51,5 +52,15 @@ class IncrementalDetokenizer:
                 added += delta
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.token_ids)
+        self.output_text += added
+        return added
+
+    def finish(self) -> str:
+        """The text held back for a character whose remaining tokens never came (the request
+        ended inside it): the replacement character, as a full decode of the tokens gives."""
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        added = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
         self.output_text += added
         return added

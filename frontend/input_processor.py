@@ -39,7 +39,9 @@ class InputProcessor:
             )
         text, token_ids = self._tokenize(prompt)
         config = self.model_config
-        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, config.max_model_len)
+        token_ids = truncate_prompt(
+            token_ids, params.truncate_prompt_tokens, config.max_model_len, params.truncation_side
+        )
         if not token_ids:
             raise ValueError(f"the prompt of request {request_id!r} is empty")
         if len(token_ids) > config.max_model_len:
@@ -83,8 +85,10 @@ class InputProcessor:
             ("allowed_token_ids", params.allowed_token_ids or []),
         ):
             bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} holds token ids outside [0, {vocab}): {bad[:8]}")
+            if bad:  # naming the vocabulary size, as vLLM's message does
+                raise ValueError(
+                    f"{name} holds out-of-vocab token ids {bad[:8]} (vocabulary size: {vocab})"
+                )
         if not params.bad_words or params.bad_words_token_ids is not None:
             return params
         if self.tokenizer is None:
@@ -118,12 +122,17 @@ class InputProcessor:
         raise TypeError(f'a prompt must be a string or {{"prompt_token_ids": [...]}}, got {kind}')
 
 
-def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """The last `keep` prompt tokens (-1: the last max_model_len); all of them for None."""
+def truncate_prompt(
+    token_ids: list[int], keep: int | None, max_model_len: int, side: str = "left"
+) -> list[int]:
+    """`keep` prompt tokens (-1: max_model_len of them): the last ones when truncating on the
+    left (vLLM's default for generation), the first on the right; all of them for None."""
     if keep is None:
         return token_ids
     keep = max_model_len if keep == -1 else keep
-    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+    if len(token_ids) <= keep:
+        return token_ids
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
 
 
 def render_chat(
@@ -132,8 +141,11 @@ def render_chat(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> dict[str, Any]:
-    """{"prompt": text, "prompt_token_ids": ids} of a chat under the model's template."""
+    """{"prompt": text, "prompt_token_ids": ids} of a chat under the model's template (which
+    holds the special tokens itself: the tokenizer adds its own only when asked, as vLLM's
+    add_special_tokens)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; it was skipped (skip_tokenizer_init=True)")
     text = tokenizer.apply_chat_template(
@@ -143,5 +155,5 @@ def render_chat(
         tokenize=False,
         **(template_kwargs or {}),
     )
-    # The template already holds the special tokens; do not add BOS again.
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return {"prompt": text, "prompt_token_ids": ids}

@@ -217,6 +217,8 @@ class OutputProcessor:
         if state.detokenizer is not None:
             previous_len = len(state.text)
             state.detokenizer.update(out.new_token_ids)
+            if out.finish_reason is not None:
+                state.detokenizer.finish()
             state.text = state.detokenizer.output_text
             stopped = self._check_stop_strings(state, previous_len) and out.finish_reason is None
         if state.finish_reason is None and out.finish_reason is not None:

@@ -120,9 +120,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
     prompt_logprobs: Optional[int] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Keep only the last k prompt tokens (-1: the last max_model_len), applied by the
-    # frontend before the request leaves it (vLLM's semantics).
+    # Keep only k prompt tokens (-1: max_model_len of them), applied by the frontend before
+    # the request leaves it (vLLM's semantics): the last k ("left", dropping the start), or
+    # the first k ("right").
     truncate_prompt_tokens: Optional[int] = None
+    truncation_side: str = "left"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -165,8 +167,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
             fail("min_tokens", "non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
-        if self.seed is not None and not 0 <= self.seed <= 2**63 - self.n:
-            fail("seed", "a non-negative 63-bit integer (seed + n - 1 included)")
+        # Any 64-bit signed seed, as vLLM takes (child i of n > 1 draws with seed + i).
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - self.n:
+            fail("seed", "a 64-bit signed integer (seed + n - 1 included)")
         assert isinstance(self.stop, list)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             fail("stop", "a non-empty string or a list of non-empty strings")
@@ -187,6 +190,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or k < -1 or k == 0):
             fail("truncate_prompt_tokens", "-1 (max_model_len) or a positive integer")
+        if self.truncation_side not in ("left", "right"):
+            fail("truncation_side", '"left" (keep the last tokens) or "right" (the first)')
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < -1):
@@ -381,7 +386,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 # ---------------------------------------------------------------- engine-core process wire
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class RequestType:

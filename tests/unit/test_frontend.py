@@ -44,6 +44,23 @@ def test_incremental_detokenizer_equals_full_decode(smollm2_path: str, skip_spec
 
 
 @pytest.mark.slow
+def test_a_character_cut_off_by_the_end_is_emitted_at_finish(smollm2_path: str) -> None:
+    """Tokens that end inside a multi-token character (max_tokens reached there) decode, in
+    full, to text ending in the replacement character; the request's text must equal that
+    full decode, not stop short of it."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = tokenizer.encode("Emoji: 🦙🚀")
+    cuts = [n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd")]
+    assert cuts, "no prefix of the text ends inside a character: the case is not exercised"
+    for n in cuts:
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
+        held = detok.update(ids[:n])
+        assert not held.endswith("\ufffd")  # while the request runs, the character waits
+        assert held + detok.finish() == detok.output_text == tokenizer.decode(ids[:n])
+        assert detok.finish() == ""  # nothing is emitted twice
+
+
+@pytest.mark.slow
 def test_default_model_aliases_resolve_to_one_folder(smollm2_path: str) -> None:
     for name in (None, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         assert resolve_model(name) == smollm2_path
