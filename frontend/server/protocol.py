@@ -2,25 +2,60 @@
 
 Unknown fields are refused (a typo must not pass silently), and so are OpenAI fields this
 engine does not have (tools, audio, ...): `unsupported_fields()` names them, and the server
-answers 400. Responses are plain dicts built in serving.py.
+answers 400. OpenAI fields that change nothing in the answer (`user`, `metadata`, caching
+hints, `service_tier`) are accepted and ignored, as vLLM ignores them. Responses are plain
+dicts built in serving.py.
 """
 
 from __future__ import annotations
 
+import types
+import typing
+from functools import cache
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_the_default(cls, data: Any) -> Any:
+        """A null for a field that has no null value of its own (`n`, `presence_penalty`,
+        `echo`, ...) means its default, as OpenAI's API and vLLM's `X | None = default`
+        fields take it. Where null means something (`max_tokens`: up to the context), it
+        stays."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = _not_nullable(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+@cache
+def _not_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """The names (as a body spells them) of the model's fields that do not take None."""
+    names = set()
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if typing.get_origin(annotation) in (Union, types.UnionType):
+            if type(None) in typing.get_args(annotation):
+                continue
+        if not field.is_required():
+            names.add(field.alias or name)
+    return frozenset(names)
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
-    # vLLM's: a chunk holds at least this many characters of text (the last may hold fewer).
+    # A chunk holds at least this many characters of text (the last may hold fewer); also
+    # taken at the top level of the body, where vLLM's tests put it.
     min_characters: Optional[int] = Field(default=None, ge=1)
+    # OpenAI's random padding of chunks against length side channels: accepted, not sent
+    # (the server answers on loopback or behind the operator's TLS).
+    include_obfuscation: Optional[bool] = None
 
 
 class _SamplingFields(_Strict):
@@ -54,8 +89,11 @@ class _SamplingFields(_Strict):
     priority: int = 0
     # vLLM's: the choices also carry their token ids (and the prompt's).
     return_token_ids: bool = False
-    # vLLM's: keep only the last k prompt tokens (-1: the last max_model_len).
+    # vLLM's: keep only k prompt tokens (-1: max_model_len of them), the last ones unless
+    # truncation_side is "right".
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    min_characters: Optional[int] = Field(default=None, ge=1)
     # vLLM's: logprobs name their tokens "token_id:N" (for tokens that are not valid text).
     return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's beam search: n beams, scored by logprob / length ** length_penalty.
@@ -106,9 +144,14 @@ class CompletionRequest(_SamplingFields):
     _UNSUPPORTED = ("suffix",)
 
 
-class ContentPart(_Strict):
+class ContentPart(BaseModel):
+    # Parts of other types (images, audio, files) are named in a clear error when the
+    # messages are rendered, not refused here as unknown fields.
+    model_config = ConfigDict(extra="allow")
+
     type: str
     text: Optional[str] = None
+    refusal: Optional[str] = None  # an assistant's refusal part: text to the template
 
 
 class ChatMessage(BaseModel):
@@ -122,6 +165,8 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
     tool_calls: Optional[list[Any]] = None
     tool_call_id: Optional[str] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None  # a reference to an earlier audio answer
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -135,41 +180,50 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template holds them; the tokenizer's on top
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    # OpenAI fields without an engine behind them.
+    # Handed to the chat template as a keyword, as vLLM does (templates without it ignore it).
+    reasoning_effort: Optional[str] = None
+    # OpenAI fields that change nothing in the answer: accepted and ignored (as in vLLM).
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None  # without tools it has nothing to act on
+    # OpenAI fields without an engine behind them (refused when they ask for something).
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
-    parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
     modalities: Optional[list[str]] = None
     prediction: Optional[Any] = None
-    reasoning_effort: Optional[str] = None
     web_search_options: Optional[Any] = None
+    moderation: Optional[Any] = None
+    verbosity: Optional[str] = None
     store: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None
-    service_tier: Optional[str] = None
 
     _UNSUPPORTED = (
         "tools",
         "functions",
-        "function_call",
-        "parallel_tool_calls",
         "audio",
-        "modalities",
         "prediction",
-        "reasoning_effort",
         "web_search_options",
-        "metadata",
-        "service_tier",
+        "moderation",
+        "verbosity",
     )
 
     def unsupported_fields(self) -> list[str]:
         found = super().unsupported_fields()
         if self.tool_choice not in (None, "none"):
             found.append("tool_choice")
+        if self.function_call not in (None, "none"):
+            found.append("function_call")
+        if self.modalities not in (None, ["text"]):
+            found.append("modalities")
         if self.store:
             found.append("store")
         return found

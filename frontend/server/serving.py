@@ -113,19 +113,26 @@ class OpenAIServing:
             raise ServingError(f"n must be at least 1, got {body.n}", 400, "n")
 
     def check_length(
-        self, num_prompt_tokens: int, max_tokens: int | None, field: str = "max_tokens"
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        field: str = "max_tokens",
+        prompt: str = "prompt",
     ) -> None:
-        if num_prompt_tokens >= self.max_model_len or (
+        """vLLM's check and message; `prompt` names what the prompt came from (the prompt,
+        or the messages), the param the prompt if it alone is too long."""
+        too_long = num_prompt_tokens >= self.max_model_len
+        if too_long or (
             max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len
         ):
             asked = num_prompt_tokens + (max_tokens or 0)
             raise ServingError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {asked} tokens ({num_prompt_tokens} in the prompt, "
+                f"you requested {asked} tokens ({num_prompt_tokens} in the {prompt}, "
                 f"{max_tokens or 0} in the completion, {field}). Please reduce the length of "
-                "the prompt or completion.",
+                f"the {prompt} or completion.",
                 400,
-                "messages" if max_tokens is None else field,
+                prompt if too_long or max_tokens is None else field,
             )
 
     def sampling_params(
@@ -163,13 +170,14 @@ class OpenAIServing:
             "spaces_between_special_tokens": body.spaces_between_special_tokens,
             "presence_penalty": body.presence_penalty,
             "frequency_penalty": body.frequency_penalty,
-            "logit_bias": body.logit_bias,
+            "logit_bias": _token_id_keys(body.logit_bias),
             "allowed_token_ids": body.allowed_token_ids,
             "bad_words": body.bad_words,
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "structured_outputs": self._structured(body),
             "truncate_prompt_tokens": body.truncate_prompt_tokens,
+            "truncation_side": body.truncation_side or "left",
             "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         }
         # What the request leaves out comes from the model's generation config (vLLM's
@@ -182,12 +190,6 @@ class OpenAIServing:
                 fields[name] = value
         if max_tokens is None and "max_tokens" in defaults:
             fields["max_tokens"] = defaults["max_tokens"]
-        if body.logit_bias is not None:
-            bad = [k for k in body.logit_bias if not k.lstrip("-").isdigit()]
-            if bad:
-                raise ServingError(
-                    f"logit_bias keys must be token ids, got {bad[:4]}", 400, "logit_bias"
-                )
         try:  # the message types' own checks: a bad value is named by its path
             return msgspec.convert(fields, SamplingParams)
         except msgspec.ValidationError as e:
@@ -202,13 +204,9 @@ class OpenAIServing:
             specs.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.type == "json_schema":
             schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
-            if schema is None:
-                raise ServingError(
-                    "response_format of type json_schema needs json_schema.schema",
-                    400,
-                    "response_format",
-                )
-            specs.append(("response_format", {"json": schema}))
+            # OpenAI's type leaves the schema out at will: then any JSON object is the answer.
+            spec = {"json": schema} if schema is not None else {"json_object": True}
+            specs.append(("response_format", spec))
         # structured_outputs may carry only options, for a constraint given another way.
         options: dict[str, Any] = {}
         if body.structured_outputs is not None:
@@ -254,7 +252,8 @@ class OpenAIServing:
         """The prompt as the engine will see it under truncate_prompt_tokens (its length is
         what the context check counts)."""
         ids = prompt["prompt_token_ids"]
-        kept = truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len)
+        side = body.truncation_side or "left"
+        kept = truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len, side)
         if len(kept) == len(ids):
             return prompt
         return {"prompt_token_ids": kept, "prompt": None}
@@ -405,7 +404,9 @@ class OpenAIServing:
 
     @staticmethod
     def min_characters(body: _SamplingFields) -> int | None:
-        return body.stream_options.min_characters if body.stream_options is not None else None
+        """At the body's top level (where vLLM's tests put it) or in stream_options."""
+        options = body.stream_options
+        return body.min_characters or (options.min_characters if options is not None else None)
 
     def check_stream_options(self, body: _SamplingFields) -> bool:
         """Whether every chunk carries usage so far (continuous_usage_stats)."""
@@ -473,6 +474,23 @@ def _param_named_in(message: str) -> str | None:
     return first if named else None
 
 
+def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """logit_bias as JSON carries it (token ids as string keys) -> keyed by token id."""
+    if logit_bias is None:
+        return None
+    ids, bad = {}, []
+    for key, bias in logit_bias.items():
+        try:
+            ids[int(key)] = bias
+        except ValueError:
+            bad.append(key)
+    if bad:
+        raise ServingError(
+            f"logit_bias holds keys that are not integer token ids: {bad[:4]}", 400, "logit_bias"
+        )
+    return ids
+
+
 def _prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list | None:
     """vLLM's shape: per prompt position, None or {token id: {logprob, rank, decoded_token}}."""
     if prompt_logprobs is None:
@@ -492,34 +510,68 @@ def _prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list | None
     ]
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": None,
     }
+
+
+def whole_response(head: dict[str, Any], kind: str, choices: list, usage: dict) -> dict:
+    """A whole (not streamed) answer. Every field of OpenAI's response types (and vLLM's) is
+    present, as null where this server has nothing for it, so that an answer has the same
+    keys whichever route served it (/invocations too) and as the `openai` client's objects."""
+    response = {**head, "object": kind, "choices": choices, "usage": usage,
+                "service_tier": None, "system_fingerprint": None}  # fmt: skip
+    if kind == "chat.completion":
+        response.update(metadata=None, moderation=None, prompt_logprobs=None,
+                        prompt_token_ids=None)  # fmt: skip
+    return response
+
+
+def chat_message(role: str, content: str) -> dict[str, Any]:
+    """An answer's message, with OpenAI's fields this server never fills as null (and no
+    tool calls, as vLLM sends it)."""
+    return {"role": role, "content": content, "refusal": None, "annotations": None,
+            "audio": None, "function_call": None, "tool_calls": []}  # fmt: skip
 
 
 def _message_dict(message: Any, index: int) -> dict[str, Any]:
     """A chat message as the template expects it: text content only."""
-    if message.role == "tool" or message.tool_calls or message.tool_call_id:
+    if (
+        message.role in ("tool", "function")
+        or message.tool_calls
+        or message.tool_call_id
+        or (message.function_call)
+    ):
         raise ServingError(
             "tool messages and tool calls are not supported by this server (function calling)",
             400,
             f"messages[{index}]",
         )
+    if message.audio is not None:
+        raise ServingError(
+            "messages that refer to an audio answer are not supported by this server (no "
+            "audio output)",
+            400,
+            f"messages[{index}].audio",
+        )
     content = message.content
     if isinstance(content, list):
         texts = []
         for part in content:
-            if part.type != "text" or part.text is None:
+            # A refusal part is the assistant's text, as vLLM renders it.
+            text = {"text": part.text, "refusal": part.refusal}.get(part.type)
+            if text is None:
                 raise ServingError(
                     f"messages[{index}].content holds a part of type {part.type!r}; only text "
-                    "parts are supported",
+                    "(and refusal) parts are supported",
                     400,
                     f"messages[{index}].content",
                 )
-            texts.append(part.text)
+            texts.append(text)
         content = "\n".join(texts)  # as vLLM joins text parts
     result = {"role": message.role, "content": content or ""}
     if message.name is not None:

@@ -20,6 +20,8 @@ from tokenmill.frontend.server.serving import (
     _message_dict,
     _prompt_logprobs_json,
     _usage,
+    chat_message,
+    whole_response,
 )
 
 
@@ -38,13 +40,17 @@ class OpenAIServingChat(OpenAIServing):
         messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
         if body.top_logprobs is not None and not body.logprobs:
             raise ServingError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:  # the template's to read, as in vLLM
+            template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         try:
             prompt = await self.engine.encode_chat(
                 messages,
                 body.chat_template,
                 body.add_generation_prompt and not body.continue_final_message,
                 continue_final_message=body.continue_final_message,
-                **(body.chat_template_kwargs or {}),
+                add_special_tokens=body.add_special_tokens,
+                **template_kwargs,
             )
         except Exception as e:  # a template that cannot render these messages
             raise ServingError(f"the chat template failed: {e}", 400, "messages") from None
@@ -52,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = body.max_completion_tokens or body.max_tokens
         # Errors name the field the client used.
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        self.check_length(len(prompt["prompt_token_ids"]), max_tokens, field)
+        self.check_length(len(prompt["prompt_token_ids"]), max_tokens, field, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         # The answer's role, and what echo puts before its text (vLLM's rules): the
         # assistant's after a generation prompt, else the last message's own.
@@ -68,15 +74,14 @@ class OpenAIServingChat(OpenAIServing):
                 raw, prompt, self.beam_params(body, max_tokens), request_id
             )
             choices = [
-                {"index": k, "message": {"role": "assistant",
-                                         "content": self.beam_text(search, beam)},
-                 "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None}
+                {"index": k, "message": chat_message("assistant", self.beam_text(search, beam)),
+                 "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None,
+                 "token_ids": beam.tokens[search.prompt_len :] if body.return_token_ids else None}
                 for k, beam in enumerate(result.sequences)
             ]  # fmt: skip
             generated = sum(len(b.tokens) - search.prompt_len for b in result.sequences)
             usage = _usage(search.prompt_len, generated)
-            return {**head, "object": "chat.completion", "choices": choices, "usage": usage,
-                    "prompt_logprobs": None}  # fmt: skip
+            return whole_response(head, "chat.completion", choices, usage)
         params = self.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, field)
         prepared = await self._prepare([prompt], params, request_id, body.priority)
         if body.stream:
@@ -90,17 +95,11 @@ class OpenAIServingChat(OpenAIServing):
             )
         (out,) = await self._collect(raw, prepared)
         choices = [
-            self._choice(body, c, message={"role": role, "content": echoed + c.text})
-            for c in out.outputs
+            self._choice(body, c, message=chat_message(role, echoed + c.text)) for c in out.outputs
         ]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        response = {
-            **head,
-            "object": "chat.completion",
-            "choices": choices,
-            "usage": _usage(len(out.prompt_token_ids), completion_tokens),
-            "prompt_logprobs": None,  # present as null when not asked for, as in vLLM
-        }
+        usage = _usage(len(out.prompt_token_ids), completion_tokens)
+        response = whole_response(head, "chat.completion", choices, usage)
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
         if body.return_token_ids:
@@ -149,7 +148,8 @@ class OpenAIServingChat(OpenAIServing):
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue  # nothing new to show
                 completion_tokens[c.index] += len(c.token_ids)
-                delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                # Content even when empty (the last chunk's), as vLLM streams it.
+                delta = {"content": c.text}
                 chunk = {**head, "choices": [self._choice(body, c, delta=delta)]}
                 if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
                     chunk["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
@@ -178,6 +178,8 @@ class OpenAIServingChat(OpenAIServing):
         }
         if body.return_token_ids:
             choice["token_ids"] = c.token_ids
+        elif "message" in content:  # present as null in a whole answer, as vLLM sends it
+            choice["token_ids"] = None
         return choice
 
     def _chat_logprobs(

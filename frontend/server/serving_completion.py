@@ -19,6 +19,7 @@ from tokenmill.frontend.server.serving import (
     ServingError,
     _prompt_logprobs_json,
     _usage,
+    whole_response,
 )
 
 
@@ -77,15 +78,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 if body.echo:
                     text = (out.prompt or "") + text
-                choice = {
-                    "index": i * body.n + c.index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                    # Present as null when not asked for, as vLLM sends it.
-                    "prompt_logprobs": None,
-                }
+                choice = _choice(i * body.n + c.index, text, logprobs, c.finish_reason,
+                                 c.stop_reason)  # fmt: skip
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
                 if body.return_token_ids:
@@ -93,12 +87,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice["token_ids"] = c.token_ids
                 choices.append(choice)
         prompt_tokens = sum(len(req.prompt_token_ids) for req, _ in prepared)
-        return {
-            **head,
-            "object": "text_completion",
-            "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens),
-        }
+        usage = _usage(prompt_tokens, completion_tokens)
+        return whole_response(head, "text_completion", choices, usage)
 
     async def _beam_completions(
         self, body: CompletionRequest, raw: Request, prompts: list, head: dict[str, Any]
@@ -112,14 +102,13 @@ class OpenAIServingCompletion(OpenAIServing):
             for k, beam in enumerate(result.sequences):
                 completion_tokens += len(beam.tokens) - search.prompt_len
                 text = self.beam_text(search, beam)
-                choice = {"index": i * body.n + k, "text": text, "logprobs": None,
-                          "finish_reason": beam.finish_reason, "stop_reason": None,
-                          "prompt_logprobs": None}  # fmt: skip
+                choice = _choice(i * body.n + k, text, None, beam.finish_reason, None)
                 if body.return_token_ids:
+                    choice["prompt_token_ids"] = beam.tokens[: search.prompt_len]
                     choice["token_ids"] = beam.tokens[search.prompt_len :]
                 choices.append(choice)
         usage = _usage(prompt_tokens, completion_tokens)
-        return {**head, "object": "text_completion", "choices": choices, "usage": usage}
+        return whole_response(head, "text_completion", choices, usage)
 
     async def _completion_prompts(self, body: CompletionRequest) -> list[dict[str, Any]]:
         prompt = body.prompt
@@ -263,3 +252,12 @@ class OpenAIServingCompletion(OpenAIServing):
     def _token_text(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer
         return "" if tokenizer is None else tokenizer.decode([token_id])
+
+
+def _choice(
+    index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any
+) -> dict[str, Any]:
+    """A whole answer's choice; vLLM's extra fields are present as null when not asked for."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason, "prompt_logprobs": None, "prompt_token_ids": None,
+            "token_ids": None}  # fmt: skip

@@ -6,10 +6,13 @@
   fields, broken JSON and a missing content type. Each gets an answer within a deadline (2xx,
   or a 4xx whose error names a field it was given), and afterwards the server answers a
   normal request as before;
-- vLLM's fields beyond OpenAI's (truncate_prompt_tokens, echo in chat, continue_final_message
-  on /tokenize, return_tokens_as_token_ids, stream_options.min_characters, -1 logprobs, any
-  chat role, no model, /invocations) and the shapes vLLM's clients read (nulls present, the
-  models' root, streamed text offsets).
+- vLLM's fields beyond OpenAI's (truncate_prompt_tokens and truncation_side, echo in chat,
+  continue_final_message on /tokenize, return_tokens_as_token_ids, min_characters, -1
+  logprobs, any chat role, no model, /invocations) and the shapes vLLM's clients read (nulls
+  present, the models' root, streamed text offsets);
+- vLLM's own server tests as they send their requests: logit_bias with string keys (and its
+  errors), /invocations' keys, min_characters at the top level, echo with token ids and both
+  logprobs, token ids as logprob names that decode to the text, seeds of any sign.
 
 The server is stopped at the end."""
 
@@ -391,3 +394,152 @@ def test_vllms_request_metrics(server) -> None:
     assert grew(p + "iteration_tokens_total_sum") >= 13 + 2
     info = [k for k in after if k.startswith(p + "cache_config_info")]
     assert len(info) == 1 and "block_size=16" in info[0] and after[info[0]] == 1
+
+
+# ------------------------------------------------------------- as vLLM's tests send them
+def test_logit_bias_with_string_keys_as_clients_send_it(client) -> None:
+    """JSON keys are strings: the openai client's logit_bias={"1000": 100} makes token 1000
+    every token (vLLM's test_logits_bias), on both endpoints, streamed and not; -100 bans."""
+    bias = {"logit_bias": {"1000": 100}, "max_tokens": 5, "temperature": 0,
+            "extra_body": {"return_token_ids": True}}  # fmt: skip
+    completion = client.completions.create(model="smollm2", prompt="Hello, my name is", **bias)
+    assert completion.choices[0].token_ids == [1000] * 5
+    chat = client.chat.completions.create(model="smollm2", messages=CHAT, **bias)
+    assert chat.choices[0].token_ids == [1000] * 5
+    for streamed in (
+        client.completions.create(model="smollm2", prompt="Hello, my name is", stream=True,
+                                  **bias),
+        client.chat.completions.create(model="smollm2", messages=CHAT, stream=True, **bias),
+    ):  # fmt: skip
+        tokens = [t for chunk in streamed for c in chunk.choices for t in _extra(c, "token_ids")]
+        assert tokens == [1000] * 5
+    # A ban: the greedy answer's tokens at -100 never come back.
+    greedy = client.completions.create(model="smollm2", prompt="Hello, my name is",
+                                       max_tokens=5, temperature=0,
+                                       extra_body={"return_token_ids": True})  # fmt: skip
+    first = greedy.choices[0].token_ids
+    banned = client.completions.create(
+        model="smollm2", prompt="Hello, my name is", max_tokens=5, temperature=0,
+        logit_bias={str(t): -100 for t in first}, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert not set(banned.choices[0].token_ids) & set(first)
+
+
+def _extra(obj, name: str) -> list:
+    """A vLLM field of a client object (chat's first chunk, the role, has no token ids)."""
+    return (obj.model_extra or {}).get(name) or []
+
+
+def test_logit_bias_outside_the_vocabulary_names_its_size(client, tokenizer) -> None:
+    vocab = len(tokenizer)
+    for key in (str(vocab + 1), "-3"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2,
+                                           logit_bias={key: 1})  # fmt: skip
+        error = caught.value.body
+        assert key in error["message"] and str(vocab) in error["message"], error
+        assert error["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=2,
+                                  logit_bias={"not_a_token_id": 50})  # fmt: skip
+    error = caught.value.body
+    assert "not_a_token_id" in error["message"] and error["param"] == "logit_bias"
+    # The largest id in the vocabulary is a token like any other.
+    client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2,
+                                   logit_bias={str(vocab - 1): 1.0})  # fmt: skip
+
+
+def test_truncation_side_chooses_the_tokens_kept(client) -> None:
+    ids = list(range(1000, 1008))
+    for side, kept in (("right", ids[:4]), ("left", ids[-4:]), (None, ids[-4:])):
+        out = client.completions.create(
+            model="smollm2", prompt=ids, max_tokens=1, temperature=0,
+            extra_body={"return_token_ids": True, "truncate_prompt_tokens": 4,
+                        "truncation_side": side},
+        )  # fmt: skip
+        assert out.choices[0].prompt_token_ids == kept, side
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="smollm2", prompt=ids, max_tokens=1,
+                                  extra_body={"truncation_side": "middle"})  # fmt: skip
+    assert caught.value.body["param"] == "truncation_side"
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_invocations_answer_with_the_keys_of_the_endpoint(server, client, chat) -> None:
+    """vLLM's test: the client's object of the direct answer and /invocations' JSON have
+    the same keys, and the same choices."""
+    if chat:
+        args = {"model": "smollm2", "messages": CHAT, "max_completion_tokens": 5,
+                "temperature": 0.0, "logprobs": False}  # fmt: skip
+        direct = client.chat.completions.create(**args).model_dump()
+    else:
+        args = {"model": "smollm2", "prompt": "Hello", "max_tokens": 5, "temperature": 0.0}
+        direct = client.completions.create(**args).model_dump()
+    invoked = _post(server, "/invocations", args)
+    assert direct.keys() == invoked.keys()
+    assert direct["choices"] == invoked["choices"]
+
+
+def test_min_characters_at_the_top_level_as_vllms_test_puts_it(client) -> None:
+    """vLLM's chat stream test: every chunk's delta has text (the last one "" at least), and
+    min_characters (here at the body's top level) merges chunks to 10 characters or more."""
+    stream = client.chat.completions.create(
+        model="smollm2", messages=CHAT, max_completion_tokens=10, temperature=0.0, stream=True,
+        stream_options={"include_usage": False}, extra_body={"min_characters": 10},
+    )  # fmt: skip
+    pieces = [chunk.choices[0].delta.content for chunk in stream]
+    assert all(isinstance(p, str) for p in pieces)
+    whole = client.chat.completions.create(model="smollm2", messages=CHAT,
+                                           max_completion_tokens=10, temperature=0.0)  # fmt: skip
+    text = [p for p in pieces if p]
+    assert "".join(text) == whole.choices[0].message.content and len("".join(text)) >= 10
+    assert all(len(p) >= 10 for p in text[:-1])
+
+
+def test_echo_with_token_ids_and_both_logprobs(client, tokenizer) -> None:
+    """vLLM's test_comparison_with_prompt_logprobs_and_logprobs: the choice's text ends with
+    its decoded token ids, and the logprobs cover the prompt and then the answer. (SmolLM2
+    answers this prompt with EOS at once, a special token the text leaves out as vLLM's does:
+    the answer is made to go on. Unlike vLLM, whose text leaves the echoed prompt out when
+    token ids are returned, the text starts with the prompt, as echo says.)"""
+    prompt = "Hello, world! How are you today?"
+    completion = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=20, temperature=0, echo=True, logprobs=1,
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "prompt_logprobs": 1, "ignore_eos": True},
+    )  # fmt: skip
+    choice = completion.choices[0]
+    assert len(choice.token_ids) == 20 and choice.text.startswith(prompt)
+    assert choice.prompt_logprobs is not None and choice.logprobs is not None
+    logprob_ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+    assert logprob_ids == choice.prompt_token_ids + choice.token_ids
+    assert "Hello, world" in tokenizer.decode(choice.prompt_token_ids)
+    assert choice.text.endswith(tokenizer.decode(choice.token_ids, skip_special_tokens=True))
+
+
+def test_chat_token_ids_as_logprob_names_decode_to_the_text(client, tokenizer) -> None:
+    """vLLM's test_return_tokens_as_ids: the "token_id:N" names decode to the message, also
+    when the answer ends inside a character that spans tokens (an emoji cut by max_tokens)."""
+    messages = [{"role": "system", "content": "You like to respond in only emojis, like 🎉"},
+                {"role": "user", "content": "Please write some emojis: 🐱🐶🎉"}]  # fmt: skip
+    cut = 0
+    for max_tokens in range(4, 10):
+        response = client.chat.completions.create(
+            model="smollm2", messages=messages, temperature=0, max_tokens=max_tokens,
+            logprobs=True, extra_body={"return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        choice = response.choices[0]
+        ids = [int(c.token.removeprefix("token_id:")) for c in choice.logprobs.content]
+        assert tokenizer.decode(ids, skip_special_tokens=True) == choice.message.content
+        cut += choice.message.content.endswith("\ufffd")
+    assert cut, "no answer ended inside a character: the case is not exercised"
+
+
+def test_negative_seeds_are_seeds(client) -> None:
+    """OpenAI and vLLM take any 64-bit seed: a negative one reproduces its samples."""
+    args = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8,
+            "temperature": 1.0, "n": 2, "seed": -(2**63)}  # fmt: skip
+    first, again = (client.completions.create(**args) for _ in range(2))
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    other = client.completions.create(**{**args, "seed": 7})
+    assert [c.text for c in other.choices] != [c.text for c in first.choices]
