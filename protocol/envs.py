@@ -68,6 +68,9 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     # core); 1 forces it on the CPU too (tests; the fake-model benchmark, whose forward
     # leaves the CPU free as a GPU's does).
     "TOKENMILL_OVERLAP_STEPS": _optional_bool("TOKENMILL_OVERLAP_STEPS"),
+    # 0 keeps tokenmill's own CPU kernels (kernels/cpu/) out: every op runs on the torch path,
+    # their reference. They are also left out, with a log line, where they cannot be built.
+    "TOKENMILL_CPU_KERNELS": _bool("TOKENMILL_CPU_KERNELS", True),
     # Ray: the logical CPUs each worker actor (and each data-parallel engine-core actor)
     # reserves; Ray also sets the actor's thread count (OMP_NUM_THREADS) to it.
     "TOKENMILL_RAY_WORKER_CPUS": _float("TOKENMILL_RAY_WORKER_CPUS", 1.0),

@@ -4,7 +4,8 @@ The worker and its model runner ask their platform instead of testing `device.ty
 - CPU: glibc malloc keeps freed memory (steps allocate their activations afresh), oneDNN
   keeps more compiled matmul kernels (see ONEDNN_KERNEL_CACHE), the ranks of a host split
   its cores, the KV cache is lazily zeroed memory committed in the
-  background, matmul weights are packed for oneDNN, decode attention runs in groups sized to
+  background, matmul weights are packed for tokenmill's CPU kernels (kernels/cpu/; oneDNN's
+  layout where they are not in use), decode attention runs in groups sized to
   the L2 caches, Triton kernels run in the interpreter (tests), the KV budget is a share of
   the host's RAM, steps run in turn (the forward needs every core), gloo all-reduces.
 - CUDA: one device per local rank, steps overlap (the forward leaves the host free), decode
@@ -129,9 +130,11 @@ class CpuPlatform(Platform):
         from tokenmill.worker.layers.linear import LinearBase, pack_cpu_weights
 
         matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-        packed, widened = pack_cpu_weights(matmuls)
+        own = cpu_kernels_in_use()
+        packed, widened = pack_cpu_weights(matmuls, own)
         if packed < len(matmuls):
-            logger.info("%d of %d matmul weights packed for oneDNN", packed, len(matmuls))
+            kind = "tokenmill's CPU kernels" if own else "oneDNN"
+            logger.info("%d of %d matmul weights packed for %s", packed, len(matmuls), kind)
         if widened:
             logger.info(
                 "this CPU has no bf16 GEMM: %d bf16 matmul weights widened to fp32 (bf16 "
@@ -218,6 +221,16 @@ class CudaPlatform(Platform):
 
 
 _PLATFORMS = {"cpu": CpuPlatform(), "cuda": CudaPlatform()}
+
+
+def cpu_kernels_in_use() -> bool:
+    """Whether this process runs tokenmill's own CPU kernels (kernels/cpu/): not with
+    TOKENMILL_CPU_KERNELS=0, nor where they cannot be built (one log line then)."""
+    if not envs.TOKENMILL_CPU_KERNELS:
+        return False
+    from tokenmill.kernels import cpu
+
+    return cpu.load(envs.TOKENMILL_CACHE)
 
 
 def platform_of(device: torch.device | str) -> Platform:

@@ -8,8 +8,9 @@ a shard id and copies the checkpoint tensor into its slice. The model loader cal
 `loaded` is a tensor or a lazily read `CheckpointTensor`, and loaders `narrow` it to their
 rank's shard before anything is read.
 
-On the CPU the model loader then re-lays every matmul weight out for oneDNN
-(`pack_cpu_weights`), and `matmul` runs it with oneDNN's prepacked GEMM.
+On the CPU the model loader then re-lays every matmul weight out once (`pack_cpu_weights`):
+for tokenmill's own CPU kernels (kernels/cpu/linear.py), else for oneDNN's prepacked GEMM;
+`matmul` runs whichever the weight's layout says.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     accumulation (oneDNN's and HF's), at the speed of the fp32 one."""
     if weight.dtype != x.dtype:
         return matmul(x.to(weight.dtype), weight, bias).to(x.dtype)
+    if weight.dim() > 2 and not weight.is_mkldnn:
+        from tokenmill.kernels.cpu.linear import linear
+
+        return linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -62,10 +67,13 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def pack_cpu_weights(modules: list[nn.Module]) -> tuple[int, int]:
-    """Reorders the weights of these CPU matmul layers, once, into oneDNN's blocked layout
-    (the packed tensor replaces the plain one, so memory does not grow; a weight shared with
-    an embedding gets its own packed copy). torch's `F.linear` runs fp32 through MKL's
+def pack_cpu_weights(modules: list[nn.Module], own_kernels: bool = False) -> tuple[int, int]:
+    """Re-lays the weights of these CPU matmul layers out, once: for tokenmill's own kernels
+    (`own_kernels`; oneDNN's batch-reduce microkernel over column blocks, faster than oneDNN's
+    own linear at every row count a decode step has, see kernels/cpu/csrc/linear.cpp) where
+    the layout fits the weight, else into oneDNN's blocked layout. The packed tensor replaces
+    the plain one, so memory does not grow; a weight shared with an embedding gets its own
+    packed copy. torch's `F.linear` runs fp32 through MKL's
     sgemm, which on AMD CPUs takes a path without AVX-512: on a 2-core AMD EPYC oneDNN's
     prepacked GEMM is 2.5x faster in fp32 (1 to 2048 rows; 190 -> 450 GFLOPS at 2048) and
     10-40% faster in bf16, with fp32 accuracy.
@@ -75,22 +83,42 @@ def pack_cpu_weights(modules: list[nn.Module]) -> tuple[int, int]:
     oneDNN is present) and `matmul` multiplies in fp32: bf16 activations and KV cache at
     fp32's matmul speed, for twice the weight memory. Returns (packed, widened) counts."""
     packed = widened = 0
+    if own_kernels:
+        from tokenmill.kernels.cpu import cpu_isa
+        from tokenmill.kernels.cpu.linear import pack_weight
+
+        bf16_gemm = cpu_isa() >= 1  # oneDNN's microkernel runs bf16 on AVX-512 and up
     for module in modules:
         weight = module.weight
-        if weight.is_mkldnn or weight.dtype not in (torch.float32, torch.bfloat16):
+        if weight.dim() > 2 or weight.is_mkldnn:
             continue
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            continue
+        if own_kernels:
+            if weight.dtype == torch.bfloat16 and not bf16_gemm:
+                weight = _widened(module)
+                widened += 1
+            blocked = pack_weight(weight)
+            if blocked is not None:
+                module.weight = nn.Parameter(blocked, requires_grad=False)
+                packed += 1
+                continue
         blocked = _reorder(weight)
         if blocked is None and weight.dtype == torch.bfloat16:
-            weight = weight.detach().float()
-            blocked = _reorder(weight)
-            bias = getattr(module, "bias", None)
-            if bias is not None:
-                module.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+            weight = _widened(module)
             widened += 1
         if blocked is not None:
             packed += 1
         module.weight = nn.Parameter(weight if blocked is None else blocked, requires_grad=False)
     return packed, widened
+
+
+def _widened(module: nn.Module) -> torch.Tensor:
+    """The module's bf16 weight as fp32 (its bias too), for a CPU without a bf16 GEMM."""
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        module.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+    return module.weight.detach().float()
 
 
 def default_weight_loader(param: torch.Tensor, loaded: Loaded) -> None:

@@ -1,0 +1,39 @@
+"""The engine on tokenmill's own CPU kernels against the same engine on the torch path
+(TOKENMILL_CPU_KERNELS=0, also what a machine without a compiler runs): the same greedy
+tokens on SmolLM2 in fp32, where the kernels' matmuls sum in another order than oneDNN's."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_same_greedy_tokens, smollm2_prompts
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import cpu
+from tokenmill.protocol import envs
+
+pytestmark = pytest.mark.slow
+
+
+def _run(path: str) -> tuple[list, list[int]]:
+    llm = LLM(path, dtype="float32", multiprocess=False, max_model_len=512,
+              kv_cache_memory_bytes=64 << 20)  # fmt: skip
+    try:
+        runner = llm.llm_engine.client.engine_core.executor.worker.model_runner
+        layouts = [p.dim() for name, p in runner.model.named_parameters() if "proj" in name]
+        prompts = smollm2_prompts(llm.get_tokenizer())
+        params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return outs, layouts
+    finally:
+        llm.shutdown()
+
+
+def test_kernels_and_the_torch_path_give_the_same_greedy_tokens(smollm2_path, monkeypatch):
+    if not cpu.load(envs.TOKENMILL_CACHE):
+        pytest.skip("the CPU kernels cannot be built here")
+    kernels, packed = _run(smollm2_path)
+    assert packed and all(d > 2 for d in packed)  # every projection on the kernels' layout
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    torch_path, plain = _run(smollm2_path)
+    assert all(d == 2 for d in plain)  # oneDNN's packed weights keep their logical shape
+    assert_same_greedy_tokens(kernels, torch_path)
