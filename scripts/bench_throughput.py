@@ -3,6 +3,12 @@
 Workloads (random prompt token ids, every request ignores EOS and stops at its own length):
   W1-cpu  64 requests, prompts uniform in [16, 256], outputs uniform in [16, 128], seed 0
   W1      256 requests, prompts and outputs uniform in [100, 1024], seed 0
+  C1      1 request, a 128-token prompt, 256 output tokens (one user: decode speed)
+  C4      4 such requests
+Every run prints the weight-streaming floor of a decode step: the bytes of the weights a step
+reads (every matmul weight and the LM head; an untied input embedding only by rows) over the
+DRAM read rate measured here (a sum over 1 GiB, all threads), i.e. the least time one token of
+one request can take when the weights come from memory.
 `--compare hf vllm llamacpp` also runs those engines on the same requests, each in a process of
 its own (scripts/bench_peers.py: HF `generate()` as one left-padded batch, vLLM's CPU backend,
 llama.cpp with every request a sequence of one batched context), in the dtype tokenmill
@@ -64,6 +70,8 @@ from bench_peers import INSTALL, LABELS, PEERS, PeerEngine, gguf_path, peer_pyth
 WORKLOADS = {
     "W1-cpu": dict(num_requests=64, prompt=(16, 256), output=(16, 128)),
     "W1": dict(num_requests=256, prompt=(100, 1024), output=(100, 1024)),
+    "C1": dict(num_requests=1, prompt=(128, 128), output=(256, 256)),
+    "C4": dict(num_requests=4, prompt=(128, 128), output=(256, 256)),
 }
 
 
@@ -161,6 +169,28 @@ def print_step_split(name: str, seconds: dict[str, float], steps: int, wall: flo
     print(
         f"| {'elsewhere':<10} | {rest:>9.2f} | {1e3 * rest / steps:>11.3f} | {rest / wall:>6.1%} |"
     )
+
+
+def weight_stream_floor(model_path: str, dtype: str) -> tuple[float, float]:
+    """(bytes of weights a decode step reads, DRAM read rate in bytes/s measured now)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    numel = sum(p.numel() for p in model.parameters())  # a tied LM head counted once
+    embedding = model.get_input_embeddings().weight
+    if embedding is not model.get_output_embeddings().weight:
+        numel -= embedding.numel()  # read by the step's rows only
+    weight_bytes = numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    data = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return weight_bytes, data.numel() * 4 / best
 
 
 def cpu_name() -> str:
@@ -271,6 +301,14 @@ def main() -> None:
         f"torch {_version('torch')}, transformers {_version('transformers')}, "
         f"device {device}: {device_name(device)}, {threads} threads"
     )
+    if device == "cpu":
+        weight_bytes, rate = weight_stream_floor(model_path, dtype)
+        floor = weight_bytes / rate
+        print(
+            f"weight-streaming floor: {weight_bytes / 1e6:.0f} MB of weights per decode step at "
+            f"{rate / 1e9:.1f} GB/s (DRAM read rate measured now) = {1e3 * floor:.1f} ms a "
+            f"token, {1 / floor:.1f} tok/s for one request"
+        )
 
     modes = ["inproc", "mp"] if args.mode == "both" else [args.mode]
     sizes = args.tensor_parallel_size

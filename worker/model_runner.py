@@ -31,7 +31,7 @@ from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
 from tokenmill.worker.draft_model import DraftModel
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.layers.custom_op import use_triton_layers
+from tokenmill.worker.layers.custom_op import layer_kernels
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.platform import platform_of, zeroed_tensor
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
@@ -99,12 +99,18 @@ class ModelRunner:
         return self._device_thread.submit(fn).result()
 
     def load_model(self) -> None:
-        with use_triton_layers(self.use_triton):
+        with layer_kernels(self.layer_kernels()):
             self.model = get_model(self.config, self.device, self.attn_backend)
             if self.drafter is not None:
                 self.drafter.load()
         # LongRoPE's (threshold, offset of the long rotary rows), see _rope_positions.
         self.long_rope = getattr(self.model, "long_rope", None)
+
+    def layer_kernels(self) -> str:
+        """Which implementation the model's layers run (see worker/layers/custom_op.py)."""
+        if self.use_triton:
+            return "triton"
+        return "cpu" if self.platform.cpu_kernels() else "native"
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
         """Every attention layer's needs: the target's, then the draft model's (whose cache

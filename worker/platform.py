@@ -81,6 +81,10 @@ class Platform:
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Weight layouts for this device, once the weights are loaded."""
 
+    def cpu_kernels(self) -> bool:
+        """Whether layers run tokenmill's own CPU kernels (kernels/cpu/)."""
+        return False
+
     def decode_group_bytes(self) -> int | None:
         """K+V bytes one decode group of the torch attention backend may copy (None: all
         decodes in one attention call)."""
@@ -124,6 +128,9 @@ class CpuPlatform(Platform):
 
     def commit(self, tensors: list[torch.Tensor]) -> None:
         commit_pages(tensors)
+
+    def cpu_kernels(self) -> bool:
+        return cpu_kernels_in_use()
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         from tokenmill.worker.layers.embedding import ParallelLMHead

@@ -106,3 +106,57 @@ def test_without_a_compiler_the_torch_path_runs(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert "loaded False" in done.stdout
     assert "CPU kernels are not in use" in done.stderr and "torch path runs" in done.stderr
+
+
+# ------------------------------------------------------------- elementwise layers
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 100, 576, 1536])
+def test_rms_norm_equals_the_torch_path(dtype, d) -> None:
+    from tokenmill.kernels.cpu.layers import rms_norm
+    from tokenmill.worker.layers.layernorm import rms_norm_native
+
+    torch.manual_seed(d)
+    weight = (1 + 0.1 * torch.randn(d)).to(dtype)
+    for rows in (1, 7, 300):
+        x = (3 * torch.randn(rows, d)).to(dtype)
+        residual = torch.randn(rows, d).to(dtype)
+        want_residual = residual + x
+        for given, summed in ((None, x), (residual, want_residual)):
+            got = rms_norm(x, weight, 1e-5, given)
+            want = rms_norm_native(summed, weight, 1e-5)
+            if given is not None:
+                assert torch.equal(given, want_residual)  # the residual, in place
+            # The mean of squares may differ in its last fp32 place (another summation
+            # order): a bf16 result then rounds at most one place (and its product once more).
+            tolerance = 2 * 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+            bound = tolerance * torch.maximum(want.float().abs(), got.float().abs()) + 1e-6
+            assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_is_the_torch_path_bit_for_bit(dtype) -> None:
+    from tokenmill.kernels.cpu.layers import silu_and_mul
+    from tokenmill.worker.layers.activation import SiluAndMul
+
+    x = (4 * torch.randn(33, 2 * 1536)).to(dtype)
+    assert torch.equal(silu_and_mul(x.clone()), SiluAndMul().forward_native(x.clone()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotary_is_the_torch_path_bit_for_bit(dtype, d) -> None:
+    from tokenmill.kernels.cpu.layers import rotary_embedding_
+    from tokenmill.worker.layers.rotary import RotaryEmbedding, apply_rotary
+
+    rope = RotaryEmbedding(d, 4096, {"rope_theta": 10000.0})
+    heads, kv_heads, tokens = 9, 3, 37
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, d).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,))
+    qk = qkv[:, : heads + kv_heads]  # a view inside the fused output, as the layers pass it
+    want = apply_rotary(qk.clone(), rope.cos_sin(positions, dtype))
+    v_before = qkv[:, heads + kv_heads :].clone()
+    rotary_embedding_(qk, positions, rope.cos, rope.sin)
+    assert torch.equal(qk, want)
+    assert torch.equal(qkv[:, heads + kv_heads :], v_before)  # the values untouched
+    with pytest.raises(RuntimeError, match="position"):
+        rotary_embedding_(qk, torch.full((tokens,), 4096), rope.cos, rope.sin)

@@ -14,6 +14,11 @@ class SiluAndMul(CustomOp):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate, inplace=True) * up
 
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        from tokenmill.kernels.cpu.layers import silu_and_mul
+
+        return silu_and_mul(x)
+
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
         from tokenmill.kernels.layers import silu_and_mul
 

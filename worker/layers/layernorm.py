@@ -40,6 +40,17 @@ class RMSNorm(CustomOp):
         residual.add_(x)
         return self._norm(residual), residual
 
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype != self.weight.dtype or not x.is_contiguous():
+            return self.forward_native(x, residual)
+        from tokenmill.kernels.cpu.layers import rms_norm
+
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, residual), residual
+
     def forward_triton(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -101,6 +101,8 @@ class RotaryEmbedding(CustomOp):
         """The step's rotation, for every layer to apply to its queries and keys."""
         if self.use_triton:
             return TritonRotation(positions, self.cos, self.sin)
+        if self.kind == "cpu":
+            return CpuRotation(positions, self.cos, self.sin)
         return TorchRotation(*self.cos_sin(positions, dtype))
 
     def cos_sin(
@@ -135,6 +137,20 @@ class TorchRotation(StepRotation):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return apply_rotary(x, self.cos_sin)
+
+
+class CpuRotation(StepRotation):
+    """tokenmill's CPU kernel: one pass, in place, in the torch path's arithmetic."""
+
+    def __init__(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.positions, self.cos, self.sin = positions, cos, sin
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+            x = x.contiguous()
+        from tokenmill.kernels.cpu.layers import rotary_embedding_
+
+        return rotary_embedding_(x, self.positions, self.cos, self.sin)
 
 
 class TritonRotation(StepRotation):

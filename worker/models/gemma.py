@@ -54,6 +54,8 @@ class GemmaRMSNorm(RMSNorm):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.forward_native(x, residual)
 
+    forward_cpu = forward_triton  # the kernels normalize by w, not 1 + w
+
 
 class GeluTanhAndMul(CustomOp):
     """GeGLU: gelu(gate, tanh approximation) * up, from the fused gate/up output."""

@@ -15,4 +15,15 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block_n);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const c10::optional<at::Tensor>& bias);
 
+// rms_norm.cpp: RMSNorm of x (after residual += x, in place, when given).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const c10::optional<at::Tensor>& residual);
+
+// activation.cpp: silu(gate) * up of a [.., 2n] gate/up output.
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+// rotary.cpp: queries/keys [T, heads, d] rotated in place by their positions.
+void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin);
+
 }  // namespace tokenmill

@@ -1,0 +1,97 @@
+// rms_norm: RMSNorm over the last dimension, optionally after adding x into the residual
+// (in place, as the residual stream runs through a layer), in the torch path's arithmetic:
+// the sum in fp32, y = x * rsqrt(mean(x^2) + eps) rounded to the dtype, then times the
+// weight (rounded again). One pass per row instead of the torch path's nine ops.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace tokenmill {
+namespace {
+
+template <typename T>
+inline void norm_row(const T* x, T* residual, const T* weight, T* out, int64_t d, float eps) {
+  const T* src = x;
+  if (residual != nullptr) {
+    for (int64_t i = 0; i < d; ++i) {
+      residual[i] = from_float<T>(to_float(residual[i]) + to_float(x[i]));
+    }
+    src = residual;
+  }
+  // 16 running sums (one vector's worth), added in a fixed order at the end.
+  float sums[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const float v = to_float(src[i + j]);
+      sums[j] += v * v;
+    }
+  }
+  for (; i < d; ++i) {
+    const float v = to_float(src[i]);
+    sums[0] += v * v;
+  }
+  float total = 0.f;
+  for (float s : sums) total += s;
+  const float scale = 1.f / std::sqrt(total / float(d) + eps);
+  for (int64_t k = 0; k < d; ++k) {
+    out[k] = from_float<T>(to_float(weight[k]) * round_to<T>(to_float(src[k]) * scale));
+  }
+}
+
+TOKENMILL_CLONES void norm_rows_bf16(const at::BFloat16* x, at::BFloat16* residual,
+                                     const at::BFloat16* weight, at::BFloat16* out, int64_t rows,
+                                     int64_t d, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    norm_row(x + r * d, residual != nullptr ? residual + r * d : nullptr, weight, out + r * d, d,
+             eps);
+  }
+}
+
+TOKENMILL_CLONES void norm_rows_f32(const float* x, float* residual, const float* weight,
+                                    float* out, int64_t rows, int64_t d, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    norm_row(x + r * d, residual != nullptr ? residual + r * d : nullptr, weight, out + r * d, d,
+             eps);
+  }
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const c10::optional<at::Tensor>& residual) {
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.numel() == d,
+              "rms_norm: x must be contiguous and the weight hold its last dimension's ", d);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype ",
+              weight.scalar_type(), " differs from x's ", x.scalar_type());
+  const bool add = residual.has_value() && residual->defined();
+  if (add) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "rms_norm: the residual must be contiguous and shaped as x");
+  }
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = d == 0 ? 0 : x.numel() / d;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    const int64_t n = end - begin, at = begin * d;
+    if (x.scalar_type() == at::kBFloat16) {
+      norm_rows_bf16(x.data_ptr<at::BFloat16>() + at,
+                     add ? residual->data_ptr<at::BFloat16>() + at : nullptr,
+                     weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>() + at, n, d, e);
+    } else {
+      TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm: x must be bf16 or fp32");
+      norm_rows_f32(x.data_ptr<float>() + at, add ? residual->data_ptr<float>() + at : nullptr,
+                    weight.data_ptr<float>(), out.data_ptr<float>() + at, n, d, e);
+    }
+  });
+  return out;
+}
+
+}  // namespace tokenmill
