@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tokenmill.protocol import envs
 from tokenmill.protocol.cpu_features import native_bf16
 from tokenmill.protocol.default_model import resolve_model
 from tokenmill.protocol.model_registry import check_architecture
@@ -270,14 +271,16 @@ class ParallelConfig:
         return self.data_parallel_size_local
 
 
-ATTENTION_BACKENDS = ("TORCH_SDPA", "TRITON_ATTN")  # vLLM's names
+ATTENTION_BACKENDS = ("TORCH_SDPA", "TRITON_ATTN", "CPU_ATTN")  # vLLM's names
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"  # resolved: "cpu" or "cuda"
-    # Resolved: "TRITON_ATTN" (Triton attention and layers; the CUDA default) or "TORCH_SDPA"
-    # (pure torch; the CPU default). Triton on the CPU runs in its interpreter: for tests.
+    # Resolved: "TRITON_ATTN" (Triton attention and layers; the CUDA default), "CPU_ATTN"
+    # (tokenmill's CPU kernels; the CPU default, TORCH_SDPA where they cannot be built) or
+    # "TORCH_SDPA" (pure torch: the reference). Triton on the CPU runs in its interpreter: for
+    # tests.
     attention_backend: str = "TORCH_SDPA"
     enforce_eager: bool = False  # no CUDA graphs
     cudagraph_capture_sizes: tuple[int, ...] = ()  # decode batch sizes captured (CUDA)
@@ -535,14 +538,18 @@ def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
 
 def _device_config(args: EngineArgs, device: str) -> DeviceConfig:
     backend = args.attention_backend
-    if backend is None:
-        backend = "TRITON_ATTN" if device == "cuda" and _has_triton() else "TORCH_SDPA"
+    if backend is None and device == "cuda":
+        backend = "TRITON_ATTN" if _has_triton() else "TORCH_SDPA"
+    elif backend is None:
+        backend = "CPU_ATTN" if envs.TOKENMILL_CPU_KERNELS else "TORCH_SDPA"
     known = isinstance(backend, str) and backend.upper() in ATTENTION_BACKENDS
     expected = f"None or one of {list(ATTENTION_BACKENDS)}"
     _check(known, "attention_backend", args.attention_backend, expected)
     backend = backend.upper()
     if backend == "TRITON_ATTN" and not _has_triton():
         raise ValueError("attention_backend='TRITON_ATTN' needs triton (pip install triton)")
+    if backend == "CPU_ATTN" and device != "cpu":
+        raise ValueError(f"attention_backend='CPU_ATTN' runs on the CPU, not on {device}")
     sizes = args.cudagraph_capture_sizes
     if sizes is None:
         # vLLM's default ladder: 1, 2, 4, then every 8 up to the largest decode batch.
@@ -788,7 +795,7 @@ ENGINE_ARG_HELP = {
     "loaded rank a prefix-holding rank may be and still get the request",
     "load_format": "auto (the checkpoint) or dummy (random weights)",
     "device": "auto, cpu or cuda",
-    "attention_backend": "TRITON_ATTN or TORCH_SDPA (default by device)",
+    "attention_backend": "TRITON_ATTN, CPU_ATTN or TORCH_SDPA (default by device)",
     "enforce_eager": "no CUDA graphs",
     "cudagraph_capture_sizes": "the batch sizes CUDA graphs are captured for",
     "generation_config": "sampling defaults: auto (the model's generation_config.json), "

@@ -624,6 +624,12 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> Attent
             device,
             getattr(torch, model.dtype),
         )
+    if config.device_config.attention_backend == "CPU_ATTN":
+        if platform.cpu_kernels():
+            from tokenmill.worker.attention.cpu_backend import CpuAttentionBackend
+
+            return CpuAttentionBackend()
+        logger.info("attention_backend CPU_ATTN needs tokenmill's CPU kernels: TORCH_SDPA runs")
     # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
     return TorchAttentionBackend(platform.decode_group_bytes())
 

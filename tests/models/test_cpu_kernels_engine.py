@@ -1,6 +1,7 @@
-"""The engine on tokenmill's own CPU kernels against the same engine on the torch path
-(TOKENMILL_CPU_KERNELS=0, also what a machine without a compiler runs): the same greedy
-tokens on SmolLM2 in fp32, where the kernels' matmuls sum in another order than oneDNN's."""
+"""The engine on tokenmill's own CPU kernels (their matmuls, layers and CPU_ATTN attention)
+against the same engine on the torch path (TOKENMILL_CPU_KERNELS=0: oneDNN and TORCH_SDPA,
+also what a machine without a compiler runs): the same greedy tokens on SmolLM2 in fp32, where
+the kernels sum in another order."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def _run(path: str) -> tuple[list, list[int]]:
     try:
         runner = llm.llm_engine.client.engine_core.executor.worker.model_runner
         layouts = [p.dim() for name, p in runner.model.named_parameters() if "proj" in name]
+        layouts.append(type(runner.attn_backend).__name__)
         prompts = smollm2_prompts(llm.get_tokenizer())
         params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -31,9 +33,11 @@ def _run(path: str) -> tuple[list, list[int]]:
 def test_kernels_and_the_torch_path_give_the_same_greedy_tokens(smollm2_path, monkeypatch):
     if not cpu.load(envs.TOKENMILL_CACHE):
         pytest.skip("the CPU kernels cannot be built here")
-    kernels, packed = _run(smollm2_path)
+    kernels, (*packed, backend) = _run(smollm2_path)
     assert packed and all(d > 2 for d in packed)  # every projection on the kernels' layout
+    assert backend == "CpuAttentionBackend"  # CPU_ATTN, the default where the kernels built
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
-    torch_path, plain = _run(smollm2_path)
+    torch_path, (*plain, backend) = _run(smollm2_path)
     assert all(d == 2 for d in plain)  # oneDNN's packed weights keep their logical shape
+    assert backend == "TorchAttentionBackend"
     assert_same_greedy_tokens(kernels, torch_path)

@@ -160,3 +160,64 @@ def test_rotary_is_the_torch_path_bit_for_bit(dtype, d) -> None:
     assert torch.equal(qkv[:, heads + kv_heads :], v_before)  # the values untouched
     with pytest.raises(RuntimeError, match="position"):
         rotary_embedding_(qk, torch.full((tokens,), 4096), rope.cos, rope.sin)
+
+
+# ----------------------------------------------------------------------- attention
+def _filled_cache(blocks: int, block_size: int, kv_heads: int, d: int, dtype) -> torch.Tensor:
+    return torch.randn(blocks, 2, block_size, kv_heads, d).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_attention_equals_the_reference(dtype, group, d) -> None:
+    from tokenmill.kernels.cpu.attention import decode_attention
+    from tokenmill.kernels.reference import paged_attention
+
+    torch.manual_seed(group * d)
+    kv_heads, block_size = 2, 16
+    cache = _filled_cache(64, block_size, kv_heads, d, dtype)
+    # Odd lengths, one shorter than a block, one long enough to be split across threads;
+    # requests share blocks (a prefix hit) and the table is wider than any of them.
+    seq_lens = [1, 17, 300, 45, 129]
+    table = torch.randint(1, 64, (len(seq_lens), 24))
+    table[3, :2] = table[1, :2]
+    query = torch.randn(len(seq_lens), kv_heads * group, d).to(dtype)
+    for window, softcap in ((None, None), (32, None), (None, 30.0), (100, 20.0)):
+        got = decode_attention(query, cache, table, torch.tensor(seq_lens), d**-0.5, window,
+                               softcap)  # fmt: skip
+        want = paged_attention(query, cache, table.tolist(), seq_lens, [1] * len(seq_lens),
+                               d**-0.5, window, softcap)  # fmt: skip
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_decode_attention_splits_and_merges_a_long_context_for_one_request() -> None:
+    """One request, one KV head: its context is split among the threads and merged, which
+    must give the whole context's answer (fp32, tightly)."""
+    from tokenmill.kernels.cpu.attention import decode_attention
+    from tokenmill.kernels.reference import paged_attention
+
+    cache = _filled_cache(40, 16, 1, 64, torch.float32)
+    table = torch.arange(1, 40)[None, :]
+    query = torch.randn(1, 4, 64)
+    for length in (64, 65, 600):
+        got = decode_attention(query, cache, table, torch.tensor([length]), 0.125)
+        want = paged_attention(query, cache, table.tolist(), [length], [1], 0.125)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_cache_write_equals_the_reference(dtype) -> None:
+    from tokenmill.kernels.cpu.attention import kv_cache_write
+    from tokenmill.kernels.reference import write_kv_cache
+
+    cache = torch.zeros(8, 2, 16, 3, 64, dtype=dtype)
+    want = cache.clone()
+    key, value = torch.randn(5, 3, 64).to(dtype), torch.randn(5, 3, 64).to(dtype)
+    slots = torch.tensor([0, 17, 18, 127, 64])
+    kv_cache_write(cache, key, value, slots)
+    write_kv_cache(want, key, value, slots)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="slot"):
+        kv_cache_write(cache, key[:1], value[:1], torch.tensor([128]))

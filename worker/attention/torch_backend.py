@@ -159,12 +159,8 @@ class TorchAttentionBackend(AttentionBackend):
                 size, width = size + 1, wider
             spans.append((first, size, width))
             first += size
-        prefill_blocks = []  # per prefill with earlier context: (request, its blocks)
-        for r in range(nd, len(inputs.query_lens)):
-            if inputs.seq_lens[r] > inputs.query_lens[r]:
-                prefill_blocks.append(
-                    (r, inputs.block_table[r, : cdiv(int(inputs.seq_lens[r]), bs)])
-                )
+        layout = prefill_layout(inputs)
+        prefill_blocks = [(i, ids) for i, (_, _, _, ids) in enumerate(layout) if ids is not None]
 
         # What the device needs, in one copy: the cache rows to write, the decodes' lengths
         # (their masks are built there) and every group's and prefill's key pages.
@@ -190,13 +186,11 @@ class TorchAttentionBackend(AttentionBackend):
             )
         max_group_blocks = max((g.size * g.num_blocks for g in groups), default=0)
 
-        prefills = []
-        start = nd
-        with_context = {r: next(pieces) for r, _ in prefill_blocks}
-        for r in range(nd, len(inputs.query_lens)):
-            q_len, seq_len = int(inputs.query_lens[r]), int(inputs.seq_lens[r])
-            prefills.append(PrefillSpan(start, start + q_len, seq_len, with_context.get(r)))
-            start += q_len
+        with_context = {i: next(pieces) for i, _ in prefill_blocks}
+        prefills = [
+            PrefillSpan(start, end, seq_len, with_context.get(i))
+            for i, (start, end, seq_len, _) in enumerate(layout)
+        ]
         return TorchAttentionMetadata(
             write_k_t, write_k_t + bs, groups, max_group_blocks, prefills, bs
         )
@@ -241,25 +235,9 @@ class TorchAttentionBackend(AttentionBackend):
             mask = group.mask_for(window, metadata.block_size)
             o = _attend(q, k, v, scale, softcap, mask)
             out[first : first + g] = o.view(g, -1, head_size)
-        for span in metadata.prefills:
-            n = span.end - span.start
-            q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
-            s = span.seq_len
-            if span.key_pages is None:
-                k, v = key[span.start : span.end], value[span.start : span.end]
-            else:
-                k = pages.index_select(0, span.key_pages).flatten(0, 1)[:s]
-                v = pages.index_select(0, span.key_pages + 1).flatten(0, 1)[:s]
-            mask = None  # causal over its own tokens
-            if span.key_pages is not None or (window is not None and window < n):
-                q_pos = torch.arange(s - n, s, device=q.device)[:, None]
-                k_pos = torch.arange(s, device=q.device)[None, :]
-                mask = k_pos <= q_pos
-                if window is not None:
-                    mask &= k_pos > q_pos - window
-            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            o = _attend(q, k, v, scale, softcap, mask, causal=mask is None)
-            out[span.start : span.end] = o[0].transpose(0, 1)
+        if metadata.prefills:
+            attend_prefills(query, key, value, kv_cache, metadata.prefills, out, scale, window,
+                            softcap)  # fmt: skip
         return out
 
     def _scratch_blocks(
@@ -282,6 +260,63 @@ class TorchAttentionBackend(AttentionBackend):
         ):
             buf = self._scratch = kv_cache.new_empty(shape)
         return buf[0], buf[1]
+
+
+def prefill_layout(
+    inputs: StepAttentionInputs,
+) -> list[tuple[int, int, int, np.ndarray | None]]:
+    """Per request still prefilling: (first token, end, context length after the chunk, its
+    block ids where it has earlier context, else None)."""
+    layout = []
+    start = inputs.num_decodes
+    for r in range(inputs.num_decodes, len(inputs.query_lens)):
+        q_len, seq_len = int(inputs.query_lens[r]), int(inputs.seq_lens[r])
+        blocks = None
+        if seq_len > q_len:
+            blocks = inputs.block_table[r, : cdiv(seq_len, inputs.block_size)]
+        layout.append((start, start + q_len, seq_len, blocks))
+        start += q_len
+    return layout
+
+
+def attend_prefills(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    prefills: list[PrefillSpan],
+    out: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> None:
+    """Each prefill chunk's attention, one SDPA call per request: causal over its own new
+    tokens where it has no earlier context, else over its cached blocks (the new K/V already
+    written there)."""
+    num_kv_heads, head_size = key.shape[-2], key.shape[-1]
+    pages = (
+        kv_cache.view(-1, kv_cache.shape[2], num_kv_heads, head_size) if kv_cache.numel() else None
+    )
+    for span in prefills:
+        n = span.end - span.start
+        q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
+        s = span.seq_len
+        if span.key_pages is None:
+            k, v = key[span.start : span.end], value[span.start : span.end]
+        else:
+            assert pages is not None
+            k = pages.index_select(0, span.key_pages).flatten(0, 1)[:s]
+            v = pages.index_select(0, span.key_pages + 1).flatten(0, 1)[:s]
+        mask = None  # causal over its own tokens
+        if span.key_pages is not None or (window is not None and window < n):
+            q_pos = torch.arange(s - n, s, device=q.device)[:, None]
+            k_pos = torch.arange(s, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        o = _attend(q, k, v, scale, softcap, mask, causal=mask is None)
+        out[span.start : span.end] = o[0].transpose(0, 1)
 
 
 def decode_query_per_head(dtype: torch.dtype, group_size: int) -> bool:

@@ -26,4 +26,12 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin);
 
+// attention.cpp: a step's keys/values into the paged cache, and decode attention reading it
+// in place.
+void kv_cache_write(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& slots);
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens,
+                            double scale, int64_t window, double softcap);
+
 }  // namespace tokenmill

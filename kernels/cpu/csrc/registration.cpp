@@ -11,6 +11,10 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("kv_cache_write(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slots) -> ()");
+  m.def(
+      "decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "float scale, int window, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -19,6 +23,8 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
   m.impl("rotary_embedding", &tokenmill::rotary_embedding);
+  m.impl("kv_cache_write", &tokenmill::kv_cache_write);
+  m.impl("decode_attention", &tokenmill::decode_attention);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CompositeExplicitAutograd, m) {
