@@ -71,6 +71,9 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     # 0 keeps tokenmill's own CPU kernels (kernels/cpu/) out: every op runs on the torch path,
     # their reference. They are also left out, with a log line, where they cannot be built.
     "TOKENMILL_CPU_KERNELS": _bool("TOKENMILL_CPU_KERNELS", True),
+    # Caps the instruction set the CPU kernels use: amx, avx512_bf16, avx512, avx2 or none
+    # (the portable build). Unset: all the CPU has. For tests and comparisons.
+    "TOKENMILL_CPU_ISA": lambda: os.environ.get("TOKENMILL_CPU_ISA", "").strip().lower(),
     # Ray: the logical CPUs each worker actor (and each data-parallel engine-core actor)
     # reserves; Ray also sets the actor's thread count (OMP_NUM_THREADS) to it.
     "TOKENMILL_RAY_WORKER_CPUS": _float("TOKENMILL_RAY_WORKER_CPUS", 1.0),

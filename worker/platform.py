@@ -237,7 +237,14 @@ def cpu_kernels_in_use() -> bool:
         return False
     from tokenmill.kernels import cpu
 
-    return cpu.load(envs.TOKENMILL_CACHE)
+    if not cpu.load(envs.TOKENMILL_CACHE):
+        return False
+    cap = envs.TOKENMILL_CPU_ISA
+    if cap:
+        if cap not in cpu.ISAS:
+            raise ValueError(f"TOKENMILL_CPU_ISA must be one of {sorted(cpu.ISAS)}, got {cap!r}")
+        cpu.limit_isa(cpu.ISAS[cap])
+    return True
 
 
 def platform_of(device: torch.device | str) -> Platform:

@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 NAME = "tokenmill_cpu"
 _CSRC = Path(__file__).parent / "csrc"
-_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+# No fused multiply-adds the code does not ask for: where the torch path rounds a product
+# before adding it, so must the kernels (their reference tests compare bits).
+_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
 _LOADED: bool | None = None  # None: not tried in this process
 
 
@@ -80,6 +82,17 @@ def loaded() -> bool:
     return bool(_LOADED)
 
 
+# The instruction sets the kernels tell apart, by the level cpu_isa() reports.
+ISAS = {"amx": 3, "avx512_bf16": 2, "avx512": 1, "avx2": 0, "none": -1}
+
+
 def cpu_isa() -> int:
-    """3 AMX, 2 AVX-512 with bf16 dot products, 1 AVX-512, 0 AVX2 + FMA, -1 none of them."""
+    """3 AMX, 2 AVX-512 with bf16 dot products, 1 AVX-512, 0 AVX2 + FMA, -1 none of them
+    (what the CPU has, or less where limit_isa capped it)."""
     return int(torch.ops.tokenmill.cpu_isa())
+
+
+def limit_isa(level: int) -> int:
+    """Caps the instruction set the kernels use (for this process), so that the builds for
+    lesser CPUs run here; returns the level now in use."""
+    return int(torch.ops.tokenmill.limit_cpu_isa(level))

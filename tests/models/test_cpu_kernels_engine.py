@@ -1,7 +1,8 @@
 """The engine on tokenmill's own CPU kernels (their matmuls, layers and CPU_ATTN attention)
 against the same engine on the torch path (TOKENMILL_CPU_KERNELS=0: oneDNN and TORCH_SDPA,
 also what a machine without a compiler runs): the same greedy tokens on SmolLM2 in fp32, where
-the kernels sum in another order."""
+the kernels sum in another order; and the same with the kernels' AVX2 builds
+(TOKENMILL_CPU_ISA=avx2), as a CPU without AVX-512 runs them."""
 
 from __future__ import annotations
 
@@ -41,3 +42,12 @@ def test_kernels_and_the_torch_path_give_the_same_greedy_tokens(smollm2_path, mo
     assert all(d == 2 for d in plain)  # oneDNN's packed weights keep their logical shape
     assert backend == "TorchAttentionBackend"
     assert_same_greedy_tokens(kernels, torch_path)
+    # The kernels' AVX2 builds, as a CPU without AVX-512 runs them.
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "1")
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    try:
+        avx2, _ = _run(smollm2_path)  # in this process: the cap applies here
+        assert cpu.cpu_isa() <= 0
+    finally:
+        cpu.limit_isa(3)
+    assert_same_greedy_tokens(avx2, torch_path)

@@ -25,6 +25,22 @@ def kernels() -> None:
     assert cpu.load(envs.TOKENMILL_CACHE), "the CPU kernels failed to build (see the log)"
 
 
+def _levels() -> list[int]:
+    """Every instruction set level this CPU runs: the lesser builds run too, capped."""
+    if not cpu.load(envs.TOKENMILL_CACHE):
+        return [-1]
+    return list(range(cpu.cpu_isa(), -2, -1))
+
+
+@pytest.fixture(params=_levels(), ids=lambda level: f"isa{level}")
+def isa(request) -> int:
+    """Runs a test with the kernels capped at each instruction set level in turn."""
+    full = cpu.limit_isa(3)
+    assert cpu.limit_isa(request.param) == request.param
+    yield request.param
+    cpu.limit_isa(full)
+
+
 def _assert_sums_close(
     got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, k: int
 ) -> None:
@@ -41,7 +57,7 @@ def _assert_sums_close(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n, k", [(960, 576), (48, 64), (4096, 1536), (96, 130)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_equals_the_reference(dtype, n, k, with_bias) -> None:
+def test_linear_equals_the_reference(isa, dtype, n, k, with_bias) -> None:
     torch.manual_seed(n + k)
     weight = torch.randn(n, k).to(dtype)
     bias = torch.randn(n).to(dtype) if with_bias else None
@@ -111,7 +127,7 @@ def test_without_a_compiler_the_torch_path_runs(tmp_path) -> None:
 # ------------------------------------------------------------- elementwise layers
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 100, 576, 1536])
-def test_rms_norm_equals_the_torch_path(dtype, d) -> None:
+def test_rms_norm_equals_the_torch_path(isa, dtype, d) -> None:
     from tokenmill.kernels.cpu.layers import rms_norm
     from tokenmill.worker.layers.layernorm import rms_norm_native
 
@@ -134,7 +150,7 @@ def test_rms_norm_equals_the_torch_path(dtype, d) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_silu_and_mul_is_the_torch_path_bit_for_bit(dtype) -> None:
+def test_silu_and_mul_is_the_torch_path_bit_for_bit(isa, dtype) -> None:
     from tokenmill.kernels.cpu.layers import silu_and_mul
     from tokenmill.worker.layers.activation import SiluAndMul
 
@@ -144,7 +160,7 @@ def test_silu_and_mul_is_the_torch_path_bit_for_bit(dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_rotary_is_the_torch_path_bit_for_bit(dtype, d) -> None:
+def test_rotary_is_the_torch_path_bit_for_bit(isa, dtype, d) -> None:
     from tokenmill.kernels.cpu.layers import rotary_embedding_
     from tokenmill.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -170,7 +186,7 @@ def _filled_cache(blocks: int, block_size: int, kv_heads: int, d: int, dtype) ->
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_decode_attention_equals_the_reference(dtype, group, d) -> None:
+def test_decode_attention_equals_the_reference(isa, dtype, group, d) -> None:
     from tokenmill.kernels.cpu.attention import decode_attention
     from tokenmill.kernels.reference import paged_attention
 
@@ -192,7 +208,7 @@ def test_decode_attention_equals_the_reference(dtype, group, d) -> None:
         torch.testing.assert_close(got, want, **tol)
 
 
-def test_decode_attention_splits_and_merges_a_long_context_for_one_request() -> None:
+def test_decode_attention_splits_and_merges_a_long_context_for_one_request(isa) -> None:
     """One request, one KV head: its context is split among the threads and merged, which
     must give the whole context's answer (fp32, tightly)."""
     from tokenmill.kernels.cpu.attention import decode_attention

@@ -33,7 +33,7 @@ constexpr int64_t kMaxGroup = 16;      // query heads per KV head
 constexpr int64_t kMaxHead = 512;
 
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
+TOKENMILL_INLINE float dot(const float* q, const T* k, int64_t d) {
   float sums[16] = {0.f};
   for (int64_t i = 0; i < d; i += 16) {
     for (int j = 0; j < 16; ++j) sums[j] += q[i + j] * to_float(k[i + j]);
@@ -51,7 +51,7 @@ struct Part {
 // One (request, KV head, range of keys) task: G queries (already scaled) against keys
 // [first, last) of the request's context; acc [G, d] gets the unnormalized sum of values.
 template <typename T>
-inline void attend_part(const float* q, int64_t group, int64_t d, const T* cache,
+TOKENMILL_INLINE void attend_part_impl(const float* q, int64_t group, int64_t d, const T* cache,
                         const int64_t* blocks, int64_t block_size, int64_t kv_heads,
                         int64_t kv_head, int64_t first, int64_t last, float softcap, float* acc,
                         Part& part) {
@@ -214,23 +214,21 @@ __attribute__((target("avx512f"))) void attend_part_avx512(
   }
 }
 
-TOKENMILL_CLONES void attend_part_bf16(const float* q, int64_t group, int64_t d,
-                                       const at::BFloat16* cache, const int64_t* blocks,
-                                       int64_t block_size, int64_t kv_heads, int64_t kv_head,
-                                       int64_t first, int64_t last, float softcap, float* acc,
-                                       Part& part) {
-  attend_part(q, group, d, cache, blocks, block_size, kv_heads, kv_head, first, last, softcap,
-              acc, part);
-}
-
-TOKENMILL_CLONES void attend_part_f32(const float* q, int64_t group, int64_t d,
-                                      const float* cache, const int64_t* blocks,
-                                      int64_t block_size, int64_t kv_heads, int64_t kv_head,
-                                      int64_t first, int64_t last, float softcap, float* acc,
-                                      Part& part) {
-  attend_part(q, group, d, cache, blocks, block_size, kv_heads, kv_head, first, last, softcap,
-              acc, part);
-}
+// The portable builds (AVX2, plain x86-64; AVX-512 runs attend_part_avx512).
+TOKENMILL_ISA_VARIANTS(attend_part, (const float* q, int64_t group, int64_t d,
+                                     const at::BFloat16* cache, const int64_t* blocks,
+                                     int64_t block_size, int64_t kv_heads, int64_t kv_head,
+                                     int64_t first, int64_t last, float softcap, float* acc,
+                                     Part& part),
+                       (q, group, d, cache, blocks, block_size, kv_heads, kv_head, first, last,
+                        softcap, acc, part))
+TOKENMILL_ISA_VARIANTS(attend_part, (const float* q, int64_t group, int64_t d,
+                                     const float* cache, const int64_t* blocks,
+                                     int64_t block_size, int64_t kv_heads, int64_t kv_head,
+                                     int64_t first, int64_t last, float softcap, float* acc,
+                                     Part& part),
+                       (q, group, d, cache, blocks, block_size, kv_heads, kv_head, first, last,
+                        softcap, acc, part))
 
 template <typename T>
 void write_rows(T* cache, const T* key, const T* value, const int64_t* slots, int64_t tokens,
@@ -346,8 +344,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
           attend_part_avx512(qh, group, d, cache, blocks, block_size, kv_heads, h, lo, hi, cap,
                              a, s);
         } else {
-          attend_part_bf16(qh, group, d, cache, blocks, block_size, kv_heads, h, lo, hi, cap, a,
-                           s);
+          attend_part(qh, group, d, cache, blocks, block_size, kv_heads, h, lo, hi, cap, a, s);
         }
       } else {
         const float* cache = kv_cache.data_ptr<float>();
@@ -355,8 +352,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
           attend_part_avx512(qh, group, d, cache, blocks, block_size, kv_heads, h, lo, hi, cap,
                              a, s);
         } else {
-          attend_part_f32(qh, group, d, cache, blocks, block_size, kv_heads, h, lo, hi, cap, a,
-                          s);
+          attend_part(qh, group, d, cache, blocks, block_size, kv_heads, h, lo, hi, cap, a, s);
         }
       }
     }

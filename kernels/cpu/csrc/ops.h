@@ -9,6 +9,8 @@ namespace tokenmill {
 // What this CPU runs (isa.cpp): 3 AMX (bf16 tiles), 2 AVX-512 with bf16 dot products,
 // 1 AVX-512, 0 AVX2 and FMA, -1 none of these.
 int64_t cpu_isa();
+// Caps what cpu_isa() says (-1 to 3), so that lower builds run; returns the new value.
+int64_t limit_cpu_isa(int64_t limit);
 
 // linear.cpp: a weight [N, K] re-laid out once for `linear`, and the product x @ W^T.
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block_n);

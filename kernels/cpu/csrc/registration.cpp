@@ -6,6 +6,7 @@
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("cpu_isa() -> int");
+  m.def("limit_cpu_isa(int limit) -> int");
   m.def("pack_linear_weight(Tensor weight, int block_n) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
@@ -29,4 +30,5 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
 
 TORCH_LIBRARY_IMPL(tokenmill, CompositeExplicitAutograd, m) {
   m.impl("cpu_isa", &tokenmill::cpu_isa);
+  m.impl("limit_cpu_isa", &tokenmill::limit_cpu_isa);
 }

@@ -14,7 +14,7 @@ namespace tokenmill {
 namespace {
 
 template <typename T>
-inline void norm_row(const T* x, T* residual, const T* weight, T* out, int64_t d, float eps) {
+TOKENMILL_INLINE void norm_row(const T* x, T* residual, const T* weight, T* out, int64_t d, float eps) {
   const T* src = x;
   if (residual != nullptr) {
     for (int64_t i = 0; i < d; ++i) {
@@ -43,22 +43,22 @@ inline void norm_row(const T* x, T* residual, const T* weight, T* out, int64_t d
   }
 }
 
-TOKENMILL_CLONES void norm_rows_bf16(const at::BFloat16* x, at::BFloat16* residual,
-                                     const at::BFloat16* weight, at::BFloat16* out, int64_t rows,
-                                     int64_t d, float eps) {
+template <typename T>
+TOKENMILL_INLINE void norm_rows_impl(const T* x, T* residual, const T* weight, T* out,
+                                     int64_t rows, int64_t d, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     norm_row(x + r * d, residual != nullptr ? residual + r * d : nullptr, weight, out + r * d, d,
              eps);
   }
 }
 
-TOKENMILL_CLONES void norm_rows_f32(const float* x, float* residual, const float* weight,
-                                    float* out, int64_t rows, int64_t d, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    norm_row(x + r * d, residual != nullptr ? residual + r * d : nullptr, weight, out + r * d, d,
-             eps);
-  }
-}
+TOKENMILL_ISA_VARIANTS(norm_rows, (const at::BFloat16* x, at::BFloat16* residual,
+                                   const at::BFloat16* weight, at::BFloat16* out, int64_t rows,
+                                   int64_t d, float eps),
+                       (x, residual, weight, out, rows, d, eps))
+TOKENMILL_ISA_VARIANTS(norm_rows, (const float* x, float* residual, const float* weight,
+                                   float* out, int64_t rows, int64_t d, float eps),
+                       (x, residual, weight, out, rows, d, eps))
 
 }  // namespace
 
@@ -82,12 +82,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     const int64_t n = end - begin, at = begin * d;
     if (x.scalar_type() == at::kBFloat16) {
-      norm_rows_bf16(x.data_ptr<at::BFloat16>() + at,
+      norm_rows(x.data_ptr<at::BFloat16>() + at,
                      add ? residual->data_ptr<at::BFloat16>() + at : nullptr,
                      weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>() + at, n, d, e);
     } else {
       TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm: x must be bf16 or fp32");
-      norm_rows_f32(x.data_ptr<float>() + at, add ? residual->data_ptr<float>() + at : nullptr,
+      norm_rows(x.data_ptr<float>() + at, add ? residual->data_ptr<float>() + at : nullptr,
                     weight.data_ptr<float>(), out.data_ptr<float>() + at, n, d, e);
     }
   });

@@ -15,7 +15,7 @@ namespace tokenmill {
 namespace {
 
 template <typename T>
-inline void rotate_token(T* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
+TOKENMILL_INLINE void rotate_token(T* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
   const int64_t half = d / 2;
   float c[512], s[512], row[512];  // d <= 512 (checked by the caller)
   for (int64_t i = 0; i < d; ++i) {
@@ -34,7 +34,8 @@ inline void rotate_token(T* x, int64_t heads, int64_t d, const float* cos, const
   }
 }
 
-TOKENMILL_CLONES void rotate_bf16(at::BFloat16* x, int64_t row_stride, const int64_t* positions,
+template <typename T>
+TOKENMILL_INLINE void rotate_impl(T* x, int64_t row_stride, const int64_t* positions,
                                   int64_t tokens, int64_t heads, int64_t d, const float* cos,
                                   const float* sin) {
   for (int64_t t = 0; t < tokens; ++t) {
@@ -42,13 +43,14 @@ TOKENMILL_CLONES void rotate_bf16(at::BFloat16* x, int64_t row_stride, const int
   }
 }
 
-TOKENMILL_CLONES void rotate_f32(float* x, int64_t row_stride, const int64_t* positions,
-                                 int64_t tokens, int64_t heads, int64_t d, const float* cos,
-                                 const float* sin) {
-  for (int64_t t = 0; t < tokens; ++t) {
-    rotate_token(x + t * row_stride, heads, d, cos + positions[t] * d, sin + positions[t] * d);
-  }
-}
+TOKENMILL_ISA_VARIANTS(rotate, (at::BFloat16* x, int64_t row_stride, const int64_t* positions,
+                                int64_t tokens, int64_t heads, int64_t d, const float* cos,
+                                const float* sin),
+                       (x, row_stride, positions, tokens, heads, d, cos, sin))
+TOKENMILL_ISA_VARIANTS(rotate, (float* x, int64_t row_stride, const int64_t* positions,
+                                int64_t tokens, int64_t heads, int64_t d, const float* cos,
+                                const float* sin),
+                       (x, row_stride, positions, tokens, heads, d, cos, sin))
 
 }  // namespace
 
@@ -77,11 +79,11 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tens
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     const int64_t stride = x.stride(0), offset = begin * stride;
     if (x.scalar_type() == at::kBFloat16) {
-      rotate_bf16(x.data_ptr<at::BFloat16>() + offset, stride, p + begin, end - begin, heads, d,
+      rotate(x.data_ptr<at::BFloat16>() + offset, stride, p + begin, end - begin, heads, d,
                   cos.data_ptr<float>(), sin.data_ptr<float>());
     } else {
       TORCH_CHECK(x.scalar_type() == at::kFloat, "rotary_embedding: x must be bf16 or fp32");
-      rotate_f32(x.data_ptr<float>() + offset, stride, p + begin, end - begin, heads, d,
+      rotate(x.data_ptr<float>() + offset, stride, p + begin, end - begin, heads, d,
                  cos.data_ptr<float>(), sin.data_ptr<float>());
     }
   });

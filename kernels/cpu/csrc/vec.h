@@ -1,6 +1,6 @@
-// Element helpers shared by the elementwise kernels: bf16 <-> fp32 as torch rounds them
-// (round to nearest even, NaN kept quiet), written as plain integer code that the compiler
-// vectorizes for each instruction set a kernel is cloned for (TOKENMILL_CLONES).
+// Helpers shared by the kernels: builds of one loop for each instruction set
+// (TOKENMILL_ISA_VARIANTS), and bf16 <-> fp32 as torch rounds them (round to nearest even, NaN
+// kept quiet), written as plain integer code that the compiler vectorizes for each build.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -8,22 +8,42 @@
 #include <cstdint>
 #include <cstring>
 
-// A function compiled for AVX-512, AVX2 and plain x86-64, the best one chosen when the
-// library loads (GCC's function multi-versioning).
-#define TOKENMILL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#include "ops.h"
+
+// `name(params)` compiled three times from `name##_impl` (an always-inline function): for
+// AVX-512, for AVX2 with FMA and for plain x86-64, the build run chosen by cpu_isa() at each
+// call (which tests cap to run the lower builds on any machine).
+#define TOKENMILL_ISA_VARIANTS(name, params, args)                                        \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void name##_avx512 params { \
+    name##_impl args;                                                                      \
+  }                                                                                        \
+  __attribute__((target("avx2,fma"))) void name##_avx2 params { name##_impl args; }        \
+  void name##_base params { name##_impl args; }                                            \
+  void name params {                                                                       \
+    const int64_t isa = cpu_isa();                                                         \
+    if (isa >= 1) {                                                                        \
+      name##_avx512 args;                                                                  \
+    } else if (isa >= 0) {                                                                 \
+      name##_avx2 args;                                                                    \
+    } else {                                                                               \
+      name##_base args;                                                                    \
+    }                                                                                      \
+  }
+
+#define TOKENMILL_INLINE __attribute__((always_inline)) inline
 
 namespace tokenmill {
 
-inline float to_float(at::BFloat16 h) {
+TOKENMILL_INLINE float to_float(at::BFloat16 h) {
   uint32_t bits = uint32_t(h.x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
 
-inline float to_float(float f) { return f; }
+TOKENMILL_INLINE float to_float(float f) { return f; }
 
-inline uint16_t bf16_bits(float f) {
+TOKENMILL_INLINE uint16_t bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
@@ -32,20 +52,20 @@ inline uint16_t bf16_bits(float f) {
 
 // fp32 -> the element type (bf16 rounded as torch rounds it).
 template <typename T>
-inline T from_float(float f);
+TOKENMILL_INLINE T from_float(float f);
 template <>
-inline float from_float<float>(float f) {
+TOKENMILL_INLINE float from_float<float>(float f) {
   return f;
 }
 template <>
-inline at::BFloat16 from_float<at::BFloat16>(float f) {
+TOKENMILL_INLINE at::BFloat16 from_float<at::BFloat16>(float f) {
   return at::BFloat16(bf16_bits(f), at::BFloat16::from_bits());
 }
 
 // A value rounded to the element type and back (torch's elementwise ops on bf16 round each
 // result).
 template <typename T>
-inline float round_to(float f) {
+TOKENMILL_INLINE float round_to(float f) {
   return to_float(from_float<T>(f));
 }
 
