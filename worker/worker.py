@@ -127,10 +127,14 @@ class Worker:
         return self.model_runner is None or self.model_runner.close(wait)
 
     def describe_shards(self) -> dict[str, list[int]]:
-        """The shape of every parameter this rank holds, and of one layer's KV cache under
-        "kv_cache" (for checks that each rank holds only its share)."""
+        """The shape of every parameter this rank holds (a packed matmul weight's as [N, K]), and
+        of one layer's KV cache under "kv_cache" (for checks that each rank holds only its
+        share)."""
         assert self.model_runner is not None and self.model_runner.model is not None
-        shapes = {name: list(p.shape) for name, p in self.model_runner.model.named_parameters()}
+        shapes = {
+            name: list(getattr(p, "logical_shape", p.shape))
+            for name, p in self.model_runner.model.named_parameters()
+        }
         if self.model_runner.kv_caches:
             shapes["kv_cache"] = list(self.model_runner.kv_caches[0].shape)
         return shapes

@@ -101,6 +101,7 @@ def pack_cpu_weights(modules: list[nn.Module], own_kernels: bool = False) -> tup
             blocked = pack_weight(weight)
             if blocked is not None:
                 module.weight = nn.Parameter(blocked, requires_grad=False)
+                module.weight.logical_shape = tuple(weight.shape)  # type: ignore[attr-defined]
                 packed += 1
                 continue
         blocked = _reorder(weight)
