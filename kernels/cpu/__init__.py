@@ -3,11 +3,13 @@ by torch's C++ extension tooling, once, into the cache (a folder per version of 
 torch and Python); later processes load the built library in milliseconds.
 
 `load(cache_dir)` builds the library where needed, loads it and returns True, or logs one line
-and returns False (no compiler, a failed build): the caller then runs the torch path, which
-is also each op's reference (reference.py). The worker's platform calls it, unless
-TOKENMILL_CPU_KERNELS=0; `make` builds it at set-up (scripts/build_cpu_kernels.py). Each
-C++ file in csrc/ holds one op and chooses its inner loops by the CPU's instruction set at
-run time (csrc/isa.cpp), so one build serves AVX2, AVX-512 and AMX machines alike.
+and returns False (no compiler, a failed build): the caller then runs the torch path (the
+layers' `forward_native`, the TORCH_SDPA backend, kernels/reference.py), which is also each
+op's reference in the tests. The worker's platform calls it, unless TOKENMILL_CPU_KERNELS=0;
+`make` builds it at set-up (scripts/build_cpu_kernels.py). Each C++ file in csrc/ holds one
+op (registration.cpp declares them all) and chooses its inner loops by the CPU's instruction
+set at run time (csrc/isa.cpp, vec.h), so one build serves AVX2, AVX-512 and AMX machines.
+The Python modules beside this one (linear.py, layers.py, attention.py) are the ops' calls.
 """
 
 from __future__ import annotations
@@ -75,11 +77,6 @@ def _build(folder: Path) -> None:
         verbose=False,
     )
     logger.info("built tokenmill's CPU kernels in %.0f s", time.monotonic() - started)
-
-
-def loaded() -> bool:
-    """Whether this process has the kernels (load() succeeded)."""
-    return bool(_LOADED)
 
 
 # The instruction sets the kernels tell apart, by the level cpu_isa() reports.

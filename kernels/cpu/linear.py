@@ -27,10 +27,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.tokenmill.pack_linear_weight(weight.detach().contiguous(), block_n)
 
 
-def is_packed(weight: torch.Tensor) -> bool:
-    return weight.dim() in (3, 4) and not weight.is_mkldnn
-
-
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N], in x's dtype (the packed weight's)."""
     shape = x.shape
@@ -39,7 +35,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
-    """The [N, K] weight a packed one was made from (tests, and tied weights that need it)."""
+    """The [N, K] weight a packed one was made from."""
     if packed.dim() == 4:
         blocks, half_k, block_n, _ = packed.shape
         return packed.permute(0, 2, 1, 3).reshape(blocks * block_n, half_k * 2)
