@@ -5,6 +5,7 @@ Workloads (random prompt token ids, every request ignores EOS and stops at its o
   W1      256 requests, prompts and outputs uniform in [100, 1024], seed 0
   C1      1 request, a 128-token prompt, 256 output tokens (one user: decode speed)
   C4      4 such requests
+  P1-cpu  W1-cpu's 64 prompts with one output token each (the prompt phase: prefill speed)
 Every run prints the weight-streaming floor of a decode step: the bytes of the weights a step
 reads (every matmul weight and the LM head; an untied input embedding only by rows) over the
 DRAM read rate measured here (a sum over 1 GiB, all threads), i.e. the least time one token of
@@ -72,6 +73,7 @@ WORKLOADS = {
     "W1": dict(num_requests=256, prompt=(100, 1024), output=(100, 1024)),
     "C1": dict(num_requests=1, prompt=(128, 128), output=(256, 256)),
     "C4": dict(num_requests=4, prompt=(128, 128), output=(256, 256)),
+    "P1-cpu": dict(num_requests=64, prompt=(16, 256), output=(16, 128), max_tokens=1),
 }
 
 
@@ -88,7 +90,8 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
     for _ in range(spec["num_requests"]):
         prompt_len = rng.randint(*spec["prompt"])
         prompts.append([rng.randrange(vocab_size) for _ in range(prompt_len)])
-        output_lens.append(rng.randint(*spec["output"]))
+        drawn = rng.randint(*spec["output"])  # drawn always: the prompts stay W1-cpu's
+        output_lens.append(spec.get("max_tokens", drawn))
     return Workload(prompts, output_lens)
 
 

@@ -1,8 +1,9 @@
 """CPU_ATTN: tokenmill's own CPU kernels (kernels/cpu/attention.py). A step's new K/V go into
-the paged cache in one call; the decodes attend in one call that reads the cache in place
-(no copies of their blocks; grouped-query heads share each K/V read; a context split across
-the threads when there are too few requests to keep them busy). Prefill chunks run as in the
-torch backend (one SDPA call per request), which stays the reference (TORCH_SDPA)."""
+the paged cache in one call; the decodes attend in one call and the prefill chunks (earlier
+context, prefix hits and speculative verifies included) in another, both reading the cache in
+place (no copies of their blocks; grouped-query heads share each K/V read; a decode's context
+split across the threads when there are too few requests to keep them busy). The torch
+backend (TORCH_SDPA) stays the reference."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.kernels.cpu.attention import decode_attention, kv_cache_write
+from tokenmill.kernels.cpu.attention import decode_attention, kv_cache_write, prefill_attention
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 from tokenmill.worker.attention.torch_backend import PrefillSpan, attend_prefills, prefill_layout
 
@@ -21,7 +22,10 @@ class CpuAttentionMetadata:
     slots: torch.Tensor  # [T] the cache slot of each new token
     block_table: torch.Tensor  # [num_decodes, blocks] the decodes' rows
     seq_lens: torch.Tensor  # [num_decodes]
-    prefills: list[PrefillSpan]
+    prefill_table: torch.Tensor  # [P, blocks] the prefilling requests' rows
+    prefill_starts: torch.Tensor  # [P + 1] their queries' offsets after the decodes' tokens
+    prefill_lens: torch.Tensor  # [P]
+    prefills: list[PrefillSpan]  # the same, for the memory-profiling run (no cache yet)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -31,10 +35,15 @@ class CpuAttentionBackend(AttentionBackend):
             PrefillSpan(start, end, seq_len, None if ids is None else torch.from_numpy(2 * ids))
             for start, end, seq_len, ids in prefill_layout(inputs)
         ]
+        starts = np.zeros(len(inputs.query_lens) - nd + 1, dtype=np.int64)
+        np.cumsum(inputs.query_lens[nd:], out=starts[1:])
         return CpuAttentionMetadata(
             torch.from_numpy(inputs.slot_mapping.astype(np.int64)),
             torch.from_numpy(np.ascontiguousarray(inputs.block_table[:nd])),
             torch.from_numpy(inputs.seq_lens[:nd].astype(np.int64)),
+            torch.from_numpy(np.ascontiguousarray(inputs.block_table[nd:])),
+            torch.from_numpy(starts),
+            torch.from_numpy(inputs.seq_lens[nd:].astype(np.int64)),
             prefills,
         )
 
@@ -49,17 +58,21 @@ class CpuAttentionBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        # The memory-profiling run comes before the cache exists: it has no context to read.
-        if kv_cache.numel():
-            kv_cache_write(kv_cache, key, value, metadata.slots)
         nd = metadata.seq_lens.shape[0]
         if not metadata.prefills:
+            kv_cache_write(kv_cache, key, value, metadata.slots)
             return decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens,
                                     scale, window, softcap)  # fmt: skip
         out = torch.empty_like(query)
+        if not kv_cache.numel():  # the memory-profiling run: no cache yet, prompts only
+            attend_prefills(query, key, value, kv_cache, metadata.prefills, out, scale, window,
+                            softcap)  # fmt: skip
+            return out
+        kv_cache_write(kv_cache, key, value, metadata.slots)
         if nd:
             out[:nd] = decode_attention(query[:nd], kv_cache, metadata.block_table,
                                         metadata.seq_lens, scale, window, softcap)  # fmt: skip
-        attend_prefills(query, key, value, kv_cache, metadata.prefills, out, scale, window,
-                        softcap)  # fmt: skip
+        prefill_attention(out[nd:], query[nd:], kv_cache, metadata.prefill_table,
+                          metadata.prefill_starts, metadata.prefill_lens, scale, window,
+                          softcap)  # fmt: skip
         return out

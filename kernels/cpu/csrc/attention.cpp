@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "simd.h"
 #include "vec.h"
 
 namespace tokenmill {
@@ -102,38 +103,7 @@ TOKENMILL_INLINE void attend_part_impl(const float* q, int64_t group, int64_t d,
 // from bf16) once for all the group's query heads, scores as fused multiply-adds into one
 // vector per head.
 template <typename T>
-__attribute__((target("avx512f"))) inline __m512 load16(const T* p);
-template <>
-__attribute__((target("avx512f"))) inline __m512 load16<float>(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-template <>
-__attribute__((target("avx512f"))) inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// exp of 16 floats at once: exp(x) = 2^n exp(r), x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
-// Cephes' degree-6 polynomial (within 2 units in the last place of expf over the softmax's
-// range x <= 0).
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
-}
-
-template <typename T>
-__attribute__((target("avx512f"))) void attend_part_avx512(
+TOKENMILL_AVX512_TARGET void attend_part_avx512(
     const float* q, int64_t group, int64_t d, const T* cache, const int64_t* blocks,
     int64_t block_size, int64_t kv_heads, int64_t kv_head, int64_t first, int64_t last,
     float softcap, float* acc, Part& part) {
@@ -170,7 +140,7 @@ __attribute__((target("avx512f"))) void attend_part_avx512(
       __m512 dots[kMaxGroup];
       for (int64_t g = 0; g < group; ++g) dots[g] = _mm512_setzero_ps();
       for (int64_t i = 0; i < d; i += 16) {
-        const __m512 k = load16(rows[t] + i);
+        const __m512 k = avx512::load(rows[t] + i);
         for (int64_t g = 0; g < group; ++g) {
           dots[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + i), k, dots[g]);
         }
@@ -187,7 +157,7 @@ __attribute__((target("avx512f"))) void attend_part_avx512(
       const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores[g]);
       const float step_max = std::max(part.max[g], _mm512_reduce_max_ps(s));
       const float rescale = std::exp(part.max[g] - step_max);
-      const __m512 w = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(step_max))));
+      const __m512 w = _mm512_maskz_mov_ps(valid, avx512::exp(_mm512_sub_ps(s, _mm512_set1_ps(step_max))));
       _mm512_storeu_ps(weights[g], w);
       const float sum = part.sum[g] * rescale + _mm512_reduce_add_ps(w);
       if (rescale != 1.f) {
@@ -204,7 +174,7 @@ __attribute__((target("avx512f"))) void attend_part_avx512(
       __m512 sums[kMaxGroup];
       for (int64_t g = 0; g < group; ++g) sums[g] = _mm512_loadu_ps(acc + g * d + i);
       for (int64_t t = 0; t < n; ++t) {
-        const __m512 vi = load16(rows[t] + block_size * row + i);
+        const __m512 vi = avx512::load(rows[t] + block_size * row + i);
         for (int64_t g = 0; g < group; ++g) {
           sums[g] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g][t]), vi, sums[g]);
         }

@@ -36,4 +36,11 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens,
                             double scale, int64_t window, double softcap);
 
+// prefill_attention.cpp: the prefilling requests' causal attention over their cached keys and
+// values (earlier context included), written into out.
+void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                       const at::Tensor& block_table, const at::Tensor& query_start,
+                       const at::Tensor& seq_lens, double scale, int64_t window,
+                       double softcap);
+
 }  // namespace tokenmill

@@ -16,6 +16,9 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def(
       "decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "float scale, int window, float softcap) -> Tensor");
+  m.def(
+      "prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
+      "Tensor query_start, Tensor seq_lens, float scale, int window, float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -26,6 +29,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("rotary_embedding", &tokenmill::rotary_embedding);
   m.impl("kv_cache_write", &tokenmill::kv_cache_write);
   m.impl("decode_attention", &tokenmill::decode_attention);
+  m.impl("prefill_attention", &tokenmill::prefill_attention);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CompositeExplicitAutograd, m) {

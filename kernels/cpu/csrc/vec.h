@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 
 #include "ops.h"
@@ -17,17 +18,22 @@
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void name##_avx512 params { \
     name##_impl args;                                                                      \
   }                                                                                        \
-  __attribute__((target("avx2,fma"))) void name##_avx2 params { name##_impl args; }        \
-  void name##_base params { name##_impl args; }                                            \
-  void name params {                                                                       \
-    const int64_t isa = cpu_isa();                                                         \
-    if (isa >= 1) {                                                                        \
-      name##_avx512 args;                                                                  \
-    } else if (isa >= 0) {                                                                 \
-      name##_avx2 args;                                                                    \
-    } else {                                                                               \
-      name##_base args;                                                                    \
-    }                                                                                      \
+  TOKENMILL_ISA_PORTABLE_VARIANTS(name, params, args)
+
+// The same where `name##_avx512` is written by hand (with simd.h): only the AVX2 and plain
+// builds come from `name##_impl`.
+#define TOKENMILL_ISA_PORTABLE_VARIANTS(name, params, args)                         \
+  __attribute__((target("avx2,fma"))) void name##_avx2 params { name##_impl args; } \
+  void name##_base params { name##_impl args; }                                     \
+  void name params {                                                                \
+    const int64_t isa = cpu_isa();                                                  \
+    if (isa >= 1) {                                                                 \
+      name##_avx512 args;                                                           \
+    } else if (isa >= 0) {                                                          \
+      name##_avx2 args;                                                             \
+    } else {                                                                        \
+      name##_base args;                                                             \
+    }                                                                               \
   }
 
 #define TOKENMILL_INLINE __attribute__((always_inline)) inline
@@ -67,6 +73,26 @@ TOKENMILL_INLINE at::BFloat16 from_float<at::BFloat16>(float f) {
 template <typename T>
 TOKENMILL_INLINE float round_to(float f) {
   return to_float(from_float<T>(f));
+}
+
+// exp(x) as avx512::exp computes it, written so that the compiler vectorizes it for each
+// build: x = n ln2 + r, a polynomial in r, 2^n put into the exponent bits.
+TOKENMILL_INLINE float exp_poly(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
 }
 
 }  // namespace tokenmill

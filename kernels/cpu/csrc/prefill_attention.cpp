@@ -1,0 +1,428 @@
+// prefill_attention: causal attention for the requests still prefilling, reading their keys
+// and values in place from the paged cache (this step's already written there), earlier
+// context included (a later chunk of a prompt, a prefix-cache hit, a speculative verify).
+//
+// Request p's queries are the tokens [query_start[p], query_start[p + 1]) of query [T, heads,
+// d]; after them it holds seq_lens[p] tokens, so its i-th query sits at position
+// seq_lens[p] - q_len + i and sees keys k <= that position (and k > position - window with a
+// sliding window). A task is (request, KV head, block of kQueryBlock query positions): the
+// group's query heads stacked as rows, it walks the keys in chunks of kKeyChunk, packs each
+// chunk's keys and values into the microkernel's layout, and runs flash attention: scores by
+// one batch-reduce GEMM (oneDNN's microkernel through torch, AMX tiles where the CPU has
+// them), an online softmax in fp32, values accumulated by a second GEMM. bf16 multiplies bf16
+// (probabilities rounded to bf16, as torch's CPU flash attention does) where oneDNN has a
+// bf16 microkernel (AVX-512), else in fp32; fp32 in fp32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+#include "vec.h"
+
+namespace tokenmill {
+namespace {
+
+constexpr int64_t kQueryBlock = 32;  // query positions per task
+constexpr int64_t kKeyChunk = 128;   // keys per pair of GEMMs
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// One chunk's scores -> probabilities for rows [0, rows): scale, soft-cap, mask, then the
+// online softmax's update of each row's max and sum; the accumulated values `acc` [rows, d]
+// rescaled where a row's max grew. p [rows, width] gets exp(s - max) in the GEMM's type,
+// zero where masked (and in the padding up to width).
+template <typename P>
+TOKENMILL_INLINE void softmax_chunk_impl(const float* scores, P* p, int64_t rows, int64_t width,
+                                         int64_t keys, int64_t first_key, const int64_t* row_pos,
+                                         int64_t window, float scale, float softcap,
+                                         float* row_max, float* row_sum, float* acc, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = scores + r * width;
+    P* pr = p + r * width;
+    // The keys this row sees within the chunk: [lo, hi).
+    const int64_t pos = row_pos[r];
+    const int64_t hi = std::min<int64_t>(keys, pos - first_key + 1);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - first_key) : 0;
+    float buf[kKeyChunk];
+    float top = kNegInf;
+    for (int64_t j = lo; j < hi; ++j) {
+      float v = s[j] * scale;
+      if (softcap > 0.f) v = softcap * std::tanh(v / softcap);
+      buf[j] = v;
+      top = std::max(top, v);
+    }
+    const float new_max = std::max(row_max[r], top);
+    if (new_max == kNegInf) {  // nothing seen yet: the chunk adds nothing
+      for (int64_t j = 0; j < width; ++j) pr[j] = from_float<P>(0.f);
+      continue;
+    }
+    const float rescale = row_max[r] == kNegInf ? 0.f : exp_poly(row_max[r] - new_max);
+    float sum = 0.f;
+    for (int64_t j = 0; j < width; ++j) {
+      float e = 0.f;
+      if (j >= lo && j < hi) e = round_to<P>(exp_poly(buf[j] - new_max));
+      pr[j] = from_float<P>(e);
+      sum += e;
+    }
+    row_sum[r] = row_sum[r] * rescale + sum;
+    if (rescale != 1.f) {
+      float* a = acc + r * d;
+      for (int64_t i = 0; i < d; ++i) a[i] *= rescale;
+    }
+    row_max[r] = new_max;
+  }
+}
+
+// The same by hand on AVX-512 (width a multiple of 16), 16 keys at a time, only over the
+// vectors holding keys a row sees. `native`: probabilities rounded to bf16 by the CPU's own
+// conversion (AVX512-BF16; it flushes values below 2^-126 to zero, which a probability
+// rounded there loses nothing by).
+template <bool native, typename P>
+TOKENMILL_AVX512_INLINE void softmax_chunk_body(const float* scores, P* p, int64_t rows,
+                                                int64_t width, int64_t keys, int64_t first_key,
+                                                const int64_t* row_pos, int64_t window,
+                                                float scale, float softcap, float* row_max,
+                                                float* row_sum, float* acc, int64_t d) {
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf), vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = scores + r * width;
+    P* pr = p + r * width;
+    const int64_t pos = row_pos[r];
+    const int64_t hi = std::min<int64_t>(keys, pos - first_key + 1);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - first_key) : 0;
+    // The vectors [v0, v1) hold the keys [lo, hi); the others are zero.
+    const int64_t v0 = hi > lo ? lo / 16 * 16 : 0, v1 = hi > lo ? round_up(hi, 16) : 0;
+    for (int64_t j = 0; j < v0; j += 16) avx512::store(pr + j, _mm512_setzero_ps());
+    for (int64_t j = v1; j < width; j += 16) avx512::store(pr + j, _mm512_setzero_ps());
+    alignas(64) float buf[kKeyChunk];
+    __m512 top = neg_inf;
+    const __m512 lo_v = _mm512_set1_ps(float(lo)), hi_v = _mm512_set1_ps(float(hi));
+    for (int64_t j = v0; j < v1; j += 16) {
+      const __m512 index = _mm512_add_ps(lane, _mm512_set1_ps(float(j)));
+      const __mmask16 seen = _mm512_cmp_ps_mask(index, lo_v, _CMP_GE_OQ) &
+                             _mm512_cmp_ps_mask(index, hi_v, _CMP_LT_OQ);
+      __m512 v = _mm512_mul_ps(avx512::load(s + j), vscale);
+      if (softcap > 0.f) {  // softcap * tanh(v / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+        const __m512 e = avx512::exp(_mm512_mul_ps(v, _mm512_set1_ps(2.f / softcap)));
+        const __m512 t = _mm512_sub_ps(
+            _mm512_set1_ps(1.f),
+            _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+        v = _mm512_mul_ps(t, _mm512_set1_ps(softcap));
+      }
+      v = _mm512_mask_mov_ps(neg_inf, seen, v);
+      _mm512_store_ps(buf + j, v);
+      top = _mm512_max_ps(top, v);
+    }
+    const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(top));
+    if (new_max == kNegInf) {  // nothing seen yet: the chunk adds nothing
+      for (int64_t j = v0; j < v1; j += 16) avx512::store(pr + j, _mm512_setzero_ps());
+      continue;
+    }
+    const float rescale = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - new_max);
+    const __m512 vmax = _mm512_set1_ps(new_max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = v0; j < v1; j += 16) {
+      const __m512 v = _mm512_load_ps(buf + j);
+      const __mmask16 seen = _mm512_cmp_ps_mask(v, neg_inf, _CMP_NEQ_OQ);
+      __m512 e = _mm512_maskz_mov_ps(seen, avx512::exp(_mm512_sub_ps(v, vmax)));
+      if constexpr (native && std::is_same<P, at::BFloat16>::value) {
+        const __m256i h = avx512::bf16_native(e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), h);
+        e = avx512::widen(h);
+      } else {
+        e = avx512::round_to<P>(e);
+        avx512::store(pr + j, e);
+      }
+      sum = _mm512_add_ps(sum, e);
+    }
+    row_sum[r] = row_sum[r] * rescale + _mm512_reduce_add_ps(sum);
+    if (rescale != 1.f) {
+      float* a = acc + r * d;
+      const __m512 f = _mm512_set1_ps(rescale);
+      for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = avx512::first(d - i);
+        avx512::store(a + i, _mm512_mul_ps(avx512::load(a + i, m), f), m);
+      }
+    }
+    row_max[r] = new_max;
+  }
+}
+
+#define TOKENMILL_SOFTMAX_PARAMS                                                             \
+  const float *scores, P *p, int64_t rows, int64_t width, int64_t keys, int64_t first_key,   \
+      const int64_t *row_pos, int64_t window, float scale, float softcap, float *row_max,    \
+      float *row_sum, float *acc, int64_t d
+#define TOKENMILL_SOFTMAX_ARGS \
+  scores, p, rows, width, keys, first_key, row_pos, window, scale, softcap, row_max, row_sum, acc, d
+
+template <typename P>
+TOKENMILL_AVX512_TARGET void softmax_chunk_avx512(TOKENMILL_SOFTMAX_PARAMS) {
+  if (cpu_isa() >= 2) {
+    softmax_chunk_body<true>(TOKENMILL_SOFTMAX_ARGS);
+  } else {
+    softmax_chunk_body<false>(TOKENMILL_SOFTMAX_ARGS);
+  }
+}
+
+TOKENMILL_ISA_PORTABLE_VARIANTS(softmax_chunk, (const float* scores, at::BFloat16* p,
+                                                int64_t rows, int64_t width, int64_t keys,
+                                                int64_t first_key, const int64_t* row_pos,
+                                                int64_t window, float scale, float softcap,
+                                                float* row_max, float* row_sum, float* acc,
+                                                int64_t d),
+                                (scores, p, rows, width, keys, first_key, row_pos, window, scale,
+                                 softcap, row_max, row_sum, acc, d))
+TOKENMILL_ISA_PORTABLE_VARIANTS(softmax_chunk, (const float* scores, float* p, int64_t rows,
+                                                int64_t width, int64_t keys, int64_t first_key,
+                                                const int64_t* row_pos, int64_t window,
+                                                float scale, float softcap, float* row_max,
+                                                float* row_sum, float* acc, int64_t d),
+                                (scores, p, rows, width, keys, first_key, row_pos, window, scale,
+                                 softcap, row_max, row_sum, acc, d))
+
+// dst = src * factor, rounded to the element type.
+template <typename T>
+TOKENMILL_INLINE void scaled_row_impl(const float* src, float factor, T* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = from_float<T>(src[i] * factor);
+}
+
+template <typename T>
+TOKENMILL_AVX512_TARGET void scaled_row_avx512(const float* src, float factor, T* dst,
+                                               int64_t d) {
+  const __m512 f = _mm512_set1_ps(factor);
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = avx512::first(d - i);
+    avx512::store(dst + i, _mm512_mul_ps(avx512::load(src + i, m), f), m);
+  }
+}
+
+TOKENMILL_ISA_PORTABLE_VARIANTS(scaled_row, (const float* src, float factor, at::BFloat16* dst,
+                                             int64_t d),
+                                (src, factor, dst, d))
+TOKENMILL_ISA_PORTABLE_VARIANTS(scaled_row, (const float* src, float factor, float* dst,
+                                             int64_t d),
+                                (src, factor, dst, d))
+
+template <typename C, typename T>
+TOKENMILL_INLINE C as(T v) {
+  return from_float<C>(to_float(v));
+}
+
+// Where a position's key (its value is block_size rows further) lies in the cache.
+template <typename T>
+struct Pages {
+  const T* cache;
+  const int64_t* blocks;
+  int64_t block_size, row, kv_head, d;
+  const T* key(int64_t pos) const {
+    return cache + blocks[pos / block_size] * 2 * block_size * row + (pos % block_size) * row +
+           kv_head * d;
+  }
+  const T* value(int64_t pos) const { return key(pos) + block_size * row; }
+};
+
+// Keys [first, first + keys) packed as the scores GEMM's B ([d, width]: in pairs of d for the
+// bf16 microkernel, [d / 2, width, 2]) and values as the second GEMM's B ([width, d], pairs of
+// keys for bf16: [width / 2, d, 2]); columns and rows past `keys` are zero.
+template <typename C, typename T>
+void pack_chunk(const Pages<T>& pages, int64_t first, int64_t keys, int64_t width, bool vnni,
+                C* kp, C* vp) {
+  const int64_t d = pages.d;
+  std::fill(kp, kp + d * width, from_float<C>(0.f));
+  std::fill(vp + keys * d, vp + width * d, from_float<C>(0.f));
+  if constexpr (std::is_same<C, at::BFloat16>::value && std::is_same<T, at::BFloat16>::value) {
+    // A key's pair of dims (i, i + 1) is one 32-bit word, so the keys' pairs are a transpose
+    // of 32-bit words; a value's pairs of keys interleave two rows.
+    TORCH_CHECK(vnni, "prefill_attention: bf16 products in bf16 take the paired layout");
+    auto* k32 = reinterpret_cast<uint32_t*>(kp);
+    for (int64_t j = 0; j < keys; ++j) {
+      const auto* src = reinterpret_cast<const uint32_t*>(pages.key(first + j));
+      for (int64_t i = 0; i < d / 2; ++i) k32[i * width + j] = src[i];
+    }
+    for (int64_t j = 0; j < keys; j += 2) {
+      const T* v0 = pages.value(first + j);
+      const T* v1 = j + 1 < keys ? pages.value(first + j + 1) : nullptr;
+      C* dst = vp + (j / 2) * d * 2;
+      for (int64_t i = 0; i < d; ++i) {
+        dst[2 * i] = v0[i];
+        dst[2 * i + 1] = v1 != nullptr ? v1[i] : from_float<C>(0.f);
+      }
+    }
+  } else {
+    TORCH_CHECK(!vnni, "prefill_attention: the paired layout is for bf16 products");
+    for (int64_t j = 0; j < keys; ++j) {
+      const T* k = pages.key(first + j);
+      const T* v = pages.value(first + j);
+      for (int64_t i = 0; i < d; ++i) {
+        kp[i * width + j] = as<C>(k[i]);
+        vp[j * d + i] = as<C>(v[i]);
+      }
+    }
+  }
+}
+
+// A task: (request, KV head, up to kQueriesPerTask of the request's queries from
+// first_query). Its keys are packed once and serve each of its blocks of kQueryBlock queries.
+constexpr int64_t kQueriesPerTask = 256;
+
+struct Task {
+  int64_t request, kv_head, first_query;  // first_query: within the request's chunk
+};
+
+template <typename C, typename T>
+void run_tasks(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor& query,
+               const at::Tensor& kv_cache, const int64_t* table, int64_t width_blocks,
+               const int64_t* starts, const int64_t* lens, float scale, int64_t window,
+               float softcap, bool vnni) {
+  const int64_t heads = query.size(1), d = query.size(2);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  const int64_t group = heads / kv_heads, q_stride = query.stride(0), o_stride = out.stride(0);
+  const T* q_all = query.data_ptr<T>();
+  T* out_all = out.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
+  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kQueryBlock * group;
+    std::vector<C> qbuf(max_rows * d), kp, vp, p(max_rows * kKeyChunk);
+    std::vector<float> scores(max_rows * kKeyChunk), acc(max_rows * d), row_max(max_rows),
+        row_sum(max_rows);
+    std::vector<int64_t> row_pos(max_rows);
+    for (int64_t t = begin; t < end; ++t) {
+      const Task& task = tasks[t];
+      const int64_t b = task.request, h = task.kv_head;
+      const int64_t q_len = starts[b + 1] - starts[b], context = lens[b] - q_len;
+      const int64_t task_queries = std::min(kQueriesPerTask, q_len - task.first_query);
+      // The task's keys [origin, last), packed in chunks of kKeyChunk from origin.
+      const int64_t last = context + task.first_query + task_queries;
+      const int64_t origin =
+          window > 0 ? std::max<int64_t>(0, context + task.first_query - window + 1) : 0;
+      const int64_t chunks = (last - origin + kKeyChunk - 1) / kKeyChunk;
+      kp.resize(chunks * kKeyChunk * d);
+      vp.resize(chunks * kKeyChunk * d);
+      const Pages<T> pages{cache, table + b * width_blocks, block_size, kv_heads * d, h, d};
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k0 = origin + c * kKeyChunk, keys = std::min(kKeyChunk, last - k0);
+        pack_chunk<C, T>(pages, k0, keys, round_up(keys, 16), vnni, kp.data() + c * kKeyChunk * d,
+                         vp.data() + c * kKeyChunk * d);
+      }
+      for (int64_t q0 = task.first_query; q0 < task.first_query + task_queries;
+           q0 += kQueryBlock) {
+        const int64_t nq = std::min(kQueryBlock, task.first_query + task_queries - q0);
+        const int64_t rows = nq * group;
+        // Rows head-major: row g * nq + i is query head h * group + g at the block's i-th
+        // token.
+        for (int64_t g = 0; g < group; ++g) {
+          for (int64_t i = 0; i < nq; ++i) {
+            const int64_t token = starts[b] + q0 + i, r = g * nq + i;
+            const T* src = q_all + token * q_stride + (h * group + g) * d;
+            if constexpr (std::is_same<C, T>::value) {
+              std::memcpy(qbuf.data() + r * d, src, d * sizeof(T));
+            } else {
+              for (int64_t e = 0; e < d; ++e) qbuf[r * d + e] = as<C>(src[e]);
+            }
+            row_pos[r] = context + q0 + i;
+          }
+        }
+        std::fill(row_max.begin(), row_max.begin() + rows, kNegInf);
+        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+        std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
+        // The chunks holding keys [first, end) of this block's queries.
+        const int64_t end_key = context + q0 + nq;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, context + q0 - window + 1) : 0;
+        for (int64_t c = (first - origin) / kKeyChunk; origin + c * kKeyChunk < end_key; ++c) {
+          // The chunk as packed (its columns: ld), and the keys this block reaches in it.
+          const int64_t k0 = origin + c * kKeyChunk;
+          const int64_t ld = round_up(std::min(kKeyChunk, last - k0), 16);
+          const int64_t keys = std::min(kKeyChunk, end_key - k0), width = round_up(keys, 16);
+          const C* kc = kp.data() + c * kKeyChunk * d;
+          const C* vc = vp.data() + c * kKeyChunk * d;
+          at::native::cpublas::brgemm(rows, width, d, d, ld, width, false, qbuf.data(), kc,
+                                      scores.data(), vnni);
+          softmax_chunk(scores.data(), p.data(), rows, width, keys, k0, row_pos.data(), window,
+                        scale, softcap, row_max.data(), row_sum.data(), acc.data(), d);
+          at::native::cpublas::brgemm(rows, d, width, width, d, d, true, p.data(), vc,
+                                      acc.data(), vnni);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          for (int64_t i = 0; i < nq; ++i) {
+            const int64_t token = starts[b] + q0 + i, r = g * nq + i;
+            T* dst = out_all + token * o_stride + (h * group + g) * d;
+            scaled_row(acc.data() + r * d, row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f, dst, d);
+          }
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(vnni);
+  });
+}
+
+}  // namespace
+
+void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                       const at::Tensor& block_table, const at::Tensor& query_start,
+                       const at::Tensor& seq_lens, double scale, int64_t window,
+                       double softcap) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "prefill_attention: query must be [T, heads, d] with each token's heads "
+              "contiguous, got sizes ", query.sizes(), " strides ", query.strides());
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2) && out.scalar_type() == query.scalar_type(),
+              "prefill_attention: out must be shaped as the query");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+              "prefill_attention: the cache must be a contiguous [blocks, 2, block_size, "
+              "kv_heads, d]");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+                  (query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kFloat),
+              "prefill_attention: query and cache must both be bf16 or fp32");
+  const int64_t heads = query.size(1), d = query.size(2);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == d && d % 2 == 0, "prefill_attention: head size ", d,
+              " must be even and match the cache's");
+  TORCH_CHECK(heads % kv_heads == 0, "prefill_attention: ", heads,
+              " query heads do not group over ", kv_heads, " KV heads");
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const at::Tensor starts = query_start.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t requests = lens.numel();
+  TORCH_CHECK(starts.numel() == requests + 1 && table.dim() == 2 && table.size(0) >= requests,
+              "prefill_attention: one block table row and length per request, and its "
+              "queries' start (and the end)");
+  const int64_t* s = starts.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t width_blocks = table.size(1);
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < requests; ++b) {
+    const int64_t q_len = s[b + 1] - s[b];
+    TORCH_CHECK(q_len >= 0 && s[b] >= 0 && s[b + 1] <= query.size(0) && len[b] >= q_len &&
+                    len[b] <= width_blocks * block_size,
+                "prefill_attention: request ", b, " has ", q_len, " queries at ", s[b],
+                " and length ", len[b], " for ", width_blocks, " blocks of ", block_size);
+    for (int64_t first = 0; first < q_len; first += kQueriesPerTask) {
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({b, h, first});
+    }
+  }
+  if (tasks.empty()) return;
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int64_t* tb = table.data_ptr<int64_t>();
+  if (query.scalar_type() == at::kFloat) {
+    run_tasks<float, float>(tasks, out, query, kv_cache, tb, width_blocks, s, len, sc, window,
+                            cap, false);
+  } else if (cpu_isa() >= 1) {  // oneDNN's bf16 microkernel needs AVX-512
+    run_tasks<at::BFloat16, at::BFloat16>(tasks, out, query, kv_cache, tb, width_blocks, s, len,
+                                          sc, window, cap, true);
+  } else {
+    run_tasks<float, at::BFloat16>(tasks, out, query, kv_cache, tb, width_blocks, s, len, sc,
+                                   window, cap, false);
+  }
+}
+
+}  // namespace tokenmill
