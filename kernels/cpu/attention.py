@@ -1,6 +1,7 @@
 """Decode and prefill attention reading the paged KV cache in place, and the cache write
 (csrc/attention.cpp, prefill_attention.cpp); their references are kernels/reference.py's
-`write_kv_cache` and `paged_attention`, and the torch backend's SDPA calls. Cache layout, one layer: [blocks, 2, block_size, kv_heads, d]."""
+`write_kv_cache` and `paged_attention`, and the torch backend's SDPA calls. Cache layout, one
+layer: [blocks, 2, block_size, kv_heads, d]."""
 
 from __future__ import annotations
 

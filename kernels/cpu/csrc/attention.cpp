@@ -157,7 +157,8 @@ TOKENMILL_AVX512_TARGET void attend_part_avx512(
       const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, scores[g]);
       const float step_max = std::max(part.max[g], _mm512_reduce_max_ps(s));
       const float rescale = std::exp(part.max[g] - step_max);
-      const __m512 w = _mm512_maskz_mov_ps(valid, avx512::exp(_mm512_sub_ps(s, _mm512_set1_ps(step_max))));
+      const __m512 w =
+          _mm512_maskz_mov_ps(valid, avx512::exp(_mm512_sub_ps(s, _mm512_set1_ps(step_max))));
       _mm512_storeu_ps(weights[g], w);
       const float sum = part.sum[g] * rescale + _mm512_reduce_add_ps(w);
       if (rescale != 1.f) {

@@ -17,6 +17,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -290,13 +291,17 @@ void run_tasks(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor
   const T* q_all = query.data_ptr<T>();
   T* out_all = out.data_ptr<T>();
   const T* cache = kv_cache.data_ptr<T>();
-  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  // Threads take the tasks (longest first, see prefill_attention) one at a time as they
+  // finish the one before: their costs differ by the requests' lengths.
+  std::atomic<int64_t> next{0};
+  const int64_t count = int64_t(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
     const int64_t max_rows = kQueryBlock * group;
     std::vector<C> qbuf(max_rows * d), kp, vp, p(max_rows * kKeyChunk);
     std::vector<float> scores(max_rows * kKeyChunk), acc(max_rows * d), row_max(max_rows),
         row_sum(max_rows);
     std::vector<int64_t> row_pos(max_rows);
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = next++; t < count; t = next++) {
       const Task& task = tasks[t];
       const int64_t b = task.request, h = task.kv_head;
       const int64_t q_len = starts[b + 1] - starts[b], context = lens[b] - q_len;
@@ -411,6 +416,14 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
     }
   }
   if (tasks.empty()) return;
+  // A task's cost grows with its queries times the keys they see.
+  auto cost = [&](const Task& t) {
+    const int64_t q_len = s[t.request + 1] - s[t.request];
+    const int64_t n = std::min(kQueriesPerTask, q_len - t.first_query);
+    return n * (len[t.request] - q_len + t.first_query + n);
+  };
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [&](const Task& a, const Task& b) { return cost(a) > cost(b); });
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t* tb = table.data_ptr<int64_t>();
   if (query.scalar_type() == at::kFloat) {

@@ -53,19 +53,23 @@ TOKENMILL_INLINE void norm_rows_impl(const T* x, T* residual, const T* weight, T
   }
 }
 
-// The same by hand on AVX-512, with the same bits: the 16 running sums are one vector's lanes.
+// The same by hand on AVX-512, with the same bits (bf16 rounded by the CPU's conversion where
+// it has one, which flushes values below 2^-126 to zero): the 16 running sums are one
+// vector's lanes.
 template <typename T>
 TOKENMILL_AVX512_TARGET void norm_rows_avx512(const T* x, T* residual, const T* weight, T* out,
                                               int64_t rows, int64_t d, float eps) {
   const int64_t full = d / 16 * 16;
   const __mmask16 tail = avx512::first(d - full);
+  const bool native = cpu_isa() >= 2;
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = x + r * d;
     if (residual != nullptr) {
       T* res = residual + r * d;
       for (int64_t i = 0; i < d; i += 16) {
         const __mmask16 m = i < full ? avx512::first(16) : tail;
-        avx512::store(res + i, _mm512_add_ps(avx512::load(res + i, m), avx512::load(src + i, m)), m);
+        const __m512 sum = _mm512_add_ps(avx512::load(res + i, m), avx512::load(src + i, m));
+        avx512::store(res + i, sum, m, native);
       }
       src = res;
     }
@@ -86,8 +90,9 @@ TOKENMILL_AVX512_TARGET void norm_rows_avx512(const T* x, T* residual, const T* 
     T* dst = out + r * d;
     for (int64_t i = 0; i < d; i += 16) {
       const __mmask16 m = i < full ? avx512::first(16) : tail;
-      const __m512 y = avx512::round_to<T>(_mm512_mul_ps(avx512::load(src + i, m), scale));
-      avx512::store(dst + i, _mm512_mul_ps(avx512::load(weight + i, m), y), m);
+      const __m512 y =
+          avx512::round_to<T>(_mm512_mul_ps(avx512::load(src + i, m), scale), native);
+      avx512::store(dst + i, _mm512_mul_ps(avx512::load(weight + i, m), y), m, native);
     }
   }
 }

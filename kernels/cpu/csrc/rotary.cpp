@@ -44,35 +44,37 @@ TOKENMILL_INLINE void rotate_impl(T* x, int64_t row_stride, const int64_t* posit
   }
 }
 
-// The same by hand on AVX-512, with the same bits.
+// The same by hand on AVX-512, with the same bits (bf16 rounded by the CPU's conversion where
+// it has one, which flushes values below 2^-126 to zero).
 template <typename T>
 TOKENMILL_AVX512_TARGET void rotate_avx512(T* x, int64_t row_stride, const int64_t* positions,
                                            int64_t tokens, int64_t heads, int64_t d,
                                            const float* cos, const float* sin) {
   const int64_t half = d / 2;
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(int32_t(0x80000000u)));
+  const bool native = cpu_isa() >= 2;
   for (int64_t t = 0; t < tokens; ++t) {
     const float* c = cos + positions[t] * d;
     const float* s = sin + positions[t] * d;
     T* token = x + t * row_stride;
     for (int64_t i = 0; i < half; i += 16) {
       const __mmask16 m = avx512::first(half - i);
-      const __m512 c1 = avx512::round_to<T>(avx512::load(c + i, m));
-      const __m512 s1 = avx512::round_to<T>(avx512::load(s + i, m));
-      const __m512 c2 = avx512::round_to<T>(avx512::load(c + half + i, m));
-      const __m512 s2 = avx512::round_to<T>(avx512::load(s + half + i, m));
+      const __m512 c1 = avx512::round_to<T>(avx512::load(c + i, m), native);
+      const __m512 s1 = avx512::round_to<T>(avx512::load(s + i, m), native);
+      const __m512 c2 = avx512::round_to<T>(avx512::load(c + half + i, m), native);
+      const __m512 s2 = avx512::round_to<T>(avx512::load(s + half + i, m), native);
       for (int64_t h = 0; h < heads; ++h) {
         T* v = token + h * d;
         const __m512 x1 = avx512::load(v + i, m), x2 = avx512::load(v + half + i, m);
         const __m512 neg_x2 = _mm512_xor_ps(x2, sign);
         avx512::store(v + i,
-                      _mm512_add_ps(avx512::round_to<T>(_mm512_mul_ps(x1, c1)),
-                                    avx512::round_to<T>(_mm512_mul_ps(neg_x2, s1))),
-                      m);
+                      _mm512_add_ps(avx512::round_to<T>(_mm512_mul_ps(x1, c1), native),
+                                    avx512::round_to<T>(_mm512_mul_ps(neg_x2, s1), native)),
+                      m, native);
         avx512::store(v + half + i,
-                      _mm512_add_ps(avx512::round_to<T>(_mm512_mul_ps(x2, c2)),
-                                    avx512::round_to<T>(_mm512_mul_ps(x1, s2))),
-                      m);
+                      _mm512_add_ps(avx512::round_to<T>(_mm512_mul_ps(x2, c2), native),
+                                    avx512::round_to<T>(_mm512_mul_ps(x1, s2), native)),
+                      m, native);
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #define TOKENMILL_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define TOKENMILL_AVX512_INLINE TOKENMILL_AVX512_TARGET __attribute__((always_inline)) inline
@@ -67,6 +68,15 @@ TOKENMILL_AVX512_INLINE __m512 round_to<at::BFloat16>(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_lanes(v), 16));
 }
 
+// The same and the stores below, by the CPU's bf16 conversion where `native` (cpu_isa() >= 2).
+template <typename T>
+TOKENMILL_AVX512_INLINE __m512 round_to(__m512 v, bool native) {
+  if constexpr (std::is_same<T, at::BFloat16>::value) {
+    if (native) return widen(bf16_native(v));
+  }
+  return round_to<T>(v);
+}
+
 TOKENMILL_AVX512_INLINE void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 TOKENMILL_AVX512_INLINE void store(float* p, __m512 v, __mmask16 m) {
   _mm512_mask_storeu_ps(p, m, v);
@@ -76,6 +86,16 @@ TOKENMILL_AVX512_INLINE void store(at::BFloat16* p, __m512 v) {
 }
 TOKENMILL_AVX512_INLINE void store(at::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_lanes(v)));
+}
+TOKENMILL_AVX512_INLINE void store(float* p, __m512 v, __mmask16 m, bool) {
+  _mm512_mask_storeu_ps(p, m, v);
+}
+TOKENMILL_AVX512_INLINE void store(at::BFloat16* p, __m512 v, __mmask16 m, bool native) {
+  if (native) {
+    _mm256_mask_storeu_epi16(p, m, bf16_native(v));
+  } else {
+    store(p, v, m);
+  }
 }
 
 // exp of 16 floats: exp(x) = 2^n exp(r), x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes'
