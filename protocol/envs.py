@@ -74,6 +74,10 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     # Caps the instruction set the CPU kernels use: amx, avx512_bf16, avx512, avx2 or none
     # (the portable build). Unset: all the CPU has. For tests and comparisons.
     "TOKENMILL_CPU_ISA": lambda: os.environ.get("TOKENMILL_CPU_ISA", "").strip().lower(),
+    # 0 keeps the CPU worker's thread count fixed; by default it drops to one thread while
+    # other work shares the cores and tries its full count again every 10 s
+    # (worker/cpu_threads.py).
+    "TOKENMILL_CPU_THREAD_GOVERNOR": _bool("TOKENMILL_CPU_THREAD_GOVERNOR", True),
     # Ray: the logical CPUs each worker actor (and each data-parallel engine-core actor)
     # reserves; Ray also sets the actor's thread count (OMP_NUM_THREADS) to it.
     "TOKENMILL_RAY_WORKER_CPUS": _float("TOKENMILL_RAY_WORKER_CPUS", 1.0),

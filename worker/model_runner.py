@@ -405,7 +405,12 @@ class ModelRunner:
     @torch.inference_mode()
     def _run_step(self, step: _Step) -> ModelRunnerOutput:
         """The device's part of a step: input tokens, forward, sampling, outputs. Steps run
-        this in order; each reads the batch's token record after the one before wrote it."""
+        this in order; each reads the batch's token record after the one before wrote it.
+        The platform may adapt the step's threads (the CPU's to contention for its cores)."""
+        with self.platform.step_threads():
+            return self._run_step_body(step)
+
+    def _run_step_body(self, step: _Step) -> ModelRunnerOutput:
         batch = self.input_batch
         assert batch is not None and self.model is not None
         timer = step.timer

@@ -17,6 +17,7 @@ with their kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -70,6 +71,10 @@ class Platform:
         """What a thread that runs torch work for this device runs first."""
         return None
 
+    def step_threads(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around each step on the thread that runs it."""
+        return contextlib.nullcontext()
+
     def zeroed(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
@@ -120,6 +125,15 @@ class CpuPlatform(Platform):
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_KERNEL_CACHE))
         # Ranks on one host split its cores (torch's default count is all of them).
         torch.set_num_threads(max(1, torch.get_num_threads() // local_world_size))
+        self._governor = None
+        if envs.TOKENMILL_CPU_THREAD_GOVERNOR:
+            from tokenmill.worker.cpu_threads import ThreadGovernor
+
+            self._governor = ThreadGovernor(torch.get_num_threads())
+
+    def step_threads(self) -> contextlib.AbstractContextManager[None]:
+        governor = getattr(self, "_governor", None)
+        return contextlib.nullcontext() if governor is None else governor.step()
 
     def zeroed(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
