@@ -61,7 +61,9 @@ class DraftModel:
         self.backend.set_block_bytes(max(s.page_size_bytes for s in self.kv_cache_specs()))
         caches = []
         for attn in self.model.attention_layers():
-            shape = (num_blocks, 2, self.block_size, attn.num_kv_heads, attn.head_size)
+            shape = self.backend.kv_cache_shape(
+                num_blocks, self.block_size, attn.num_kv_heads, attn.head_size
+            )
             attn.kv_cache = zeroed(shape, self.dtype, self.device)
             caches.append(attn.kv_cache)
         self.max_model_len = self.config.model_config.max_model_len

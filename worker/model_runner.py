@@ -27,7 +27,7 @@ from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, 
 from tokenmill.protocol.threads import OrderedThread
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
-from tokenmill.worker.attention.torch_backend import TorchAttentionBackend
+from tokenmill.worker.attention.registry import backend_class
 from tokenmill.worker.draft_model import DraftModel
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
@@ -110,7 +110,9 @@ class ModelRunner:
         """Which implementation the model's layers run (see worker/layers/custom_op.py)."""
         if self.use_triton:
             return "triton"
-        return "cpu" if self.platform.cpu_kernels() else "native"
+        # The CPU kernels take fp32 and bf16 (fp16 runs on the torch path).
+        own = self.platform.cpu_kernels() and self.dtype in (torch.float32, torch.bfloat16)
+        return "cpu" if own else "native"
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
         """Every attention layer's needs: the target's, then the draft model's (whose cache
@@ -134,11 +136,10 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             # Zeroed: attention reads whole blocks, including slots not yet written (masked
             # out, but NaN garbage would survive the masking).
-            cache = zeroed_tensor(
-                (num_blocks, 2, self.block_size, attn.num_kv_heads, attn.head_size),
-                self.dtype,
-                self.device,
+            shape = self.attn_backend.kv_cache_shape(
+                num_blocks, self.block_size, attn.num_kv_heads, attn.head_size
             )
+            cache = zeroed_tensor(shape, self.dtype, self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
         if self.drafter is not None:
@@ -160,7 +161,10 @@ class ModelRunner:
         CUDA graphs captured now (capture=False: the same buffers, run eagerly)."""
         from tokenmill.worker.cuda_graph import DecodeGraphs
 
-        assert self.model is not None and self.use_triton, "CUDA graphs need TRITON_ATTN"
+        assert self.model is not None and self.attn_backend.captures_steps, (
+            f"CUDA graphs need a backend that captures steps (TRITON_ATTN), not "
+            f"{self.attn_backend.name}"
+        )
         sched = self.config.scheduler_config
         largest = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         sizes = [s for s in self.config.device_config.cudagraph_capture_sizes if s <= largest]
@@ -612,31 +616,30 @@ _PROFILE_DECODE_CONTEXT = 8192
 
 
 def make_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
-    """The configured backend. Triton on the CPU runs in Triton's interpreter (for tests: it
-    is slow), which must be chosen before any kernel module is imported."""
+    """The configured backend (registry.py). Triton on the CPU runs in Triton's interpreter
+    (for tests: it is slow), which must be chosen before any kernel module is imported.
+    CPU_ATTN gives way to TORCH_SDPA, with a log line, where tokenmill's CPU kernels are not in
+    use or do not take the model's dtype."""
     platform = platform_of(device)
-    if config.device_config.attention_backend == "TRITON_ATTN":
+    name = config.device_config.attention_backend
+    dtype = getattr(torch, config.model_config.dtype)
+    if name == "TRITON_ATTN":
         if platform.triton_interpreted:
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        from tokenmill.worker.attention.triton_backend import TritonAttentionBackend
-
+        backend = backend_class(name)
         model, tp = config.model_config, config.parallel_config.tensor_parallel_size
         kv_heads = max(1, model.num_kv_heads // tp)  # replicated when fewer than the ranks
-        return TritonAttentionBackend(
-            model.num_attention_heads // tp,
-            kv_heads,
-            model.head_size,
-            device,
-            getattr(torch, model.dtype),
-        )
-    if config.device_config.attention_backend == "CPU_ATTN":
-        if platform.cpu_kernels():
-            from tokenmill.worker.attention.cpu_backend import CpuAttentionBackend
-
-            return CpuAttentionBackend()
-        logger.info("attention_backend CPU_ATTN needs tokenmill's CPU kernels: TORCH_SDPA runs")
+        return backend(model.num_attention_heads // tp, kv_heads, model.head_size, device, dtype)
+    if name == "CPU_ATTN":
+        if not platform.cpu_kernels():
+            logger.info("attention_backend CPU_ATTN needs tokenmill's CPU kernels: TORCH_SDPA runs")
+        elif dtype not in backend_class(name).dtypes:
+            logger.info("attention_backend CPU_ATTN takes fp32 and bf16, not %s: TORCH_SDPA runs",
+                        config.model_config.dtype)  # fmt: skip
+        else:
+            return backend_class(name)()
     # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
-    return TorchAttentionBackend(platform.decode_group_bytes())
+    return backend_class("TORCH_SDPA")(platform.decode_group_bytes())
 
 
 def _profile_sampling_metadata(rows: int, device: torch.device) -> SamplingMetadata:

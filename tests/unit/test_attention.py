@@ -198,3 +198,60 @@ def test_cpu_cache_sizes_come_from_sysfs(tmp_path) -> None:
     assert cpu_cache_bytes(1, str(tmp_path)) == 48 << 10  # the data cache, not instructions
     assert cpu_cache_bytes(2, str(tmp_path)) == 1 << 20
     assert cpu_cache_bytes(3, str(tmp_path)) == 32 << 20
+
+
+# ------------------------------------------------------------------ the backend registry
+def test_the_registry_holds_every_configurable_backend_under_its_name() -> None:
+    from tokenmill.protocol.config import ATTENTION_BACKENDS
+    from tokenmill.worker.attention.registry import BACKENDS, backend_class
+
+    assert sorted(BACKENDS) == sorted(ATTENTION_BACKENDS)
+    for name in BACKENDS:
+        backend = backend_class(name)
+        assert backend.name == name
+        assert backend.kv_cache_shape(7, 16, 3, 64) == (7, 2, 16, 3, 64)
+    assert backend_class("TRITON_ATTN").captures_steps
+    assert torch.float16 not in backend_class("CPU_ATTN").dtypes
+    with pytest.raises(ValueError, match="FLASH_ATTN"):
+        backend_class("FLASH_ATTN")
+
+
+@pytest.mark.parametrize("dtype, expected", [("bfloat16", "CPU_ATTN"), ("float16", "TORCH_SDPA")])
+def test_cpu_attn_gives_way_where_it_does_not_take_the_dtype(tiny_model, dtype, expected) -> None:
+    from tokenmill.kernels import cpu
+    from tokenmill.protocol import envs
+    from tokenmill.protocol.config import EngineArgs
+    from tokenmill.worker.model_runner import make_attention_backend
+
+    if not cpu.load(envs.TOKENMILL_CACHE):
+        pytest.skip("the CPU kernels cannot be built here")
+    args = EngineArgs(model=str(tiny_model("llama-gqa")), device="cpu", dtype=dtype)
+    config = args.create_engine_config()
+    assert config.device_config.attention_backend == "CPU_ATTN"
+    assert make_attention_backend(config, torch.device("cpu")).name == expected
+
+
+def test_fp16_runs_on_the_torch_path_beside_the_cpu_kernels(tiny_model) -> None:
+    """The CPU kernels take fp32 and bf16: in fp16 the layers and attention run on torch. Its
+    first greedy token is among the fp32 engine's two most likely (fp16 rounds too coarsely
+    on a random model's flat logits to ask for more)."""
+    from tokenmill import LLM, SamplingParams
+
+    path = str(tiny_model("llama-gqa"))
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    outs = {}
+    for dtype in ("float16", "float32"):
+        llm = LLM(path, dtype=dtype, multiprocess=False, skip_tokenizer_init=True,
+                  max_model_len=128, kv_cache_memory_bytes=8 << 20)  # fmt: skip
+        try:
+            runner = llm.llm_engine.client.engine_core.executor.worker.model_runner
+            assert runner.layer_kernels() in ("cpu", "native")
+            if dtype == "float16":
+                assert runner.layer_kernels() == "native"
+                assert runner.attn_backend.name == "TORCH_SDPA"
+            prompt = [{"prompt_token_ids": [5, 17, 99, 3]}]
+            outs[dtype] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        finally:
+            llm.shutdown()
+    assert len(outs["float16"].token_ids) == 8
+    assert outs["float16"].token_ids[0] in outs["float32"].logprobs[0]

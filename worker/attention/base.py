@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -29,6 +29,25 @@ class StepAttentionInputs:
 
 
 class AttentionBackend(ABC):
+    """A backend is registered by name (registry.py) and says what it supports; the model
+    runner and the draft model allocate each layer's cache in its `kv_cache_shape`."""
+
+    name: ClassVar[str]
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
+    captures_steps: ClassVar[bool] = False  # its steps replay from CUDA graphs
+    # Every backend takes sliding windows and soft-capped scores (forward's `window`,
+    # `softcap`).
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """One layer's cache. Every backend so far reads [blocks, 2 (K, V), block_size,
+        kv_heads, head_size]: a block's keys, then its values, each position's heads side
+        by side (the CPU kernels read a position's heads in one pass, the Triton ones a
+        block's rows of one head at a stride)."""
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
     def set_block_bytes(self, block_bytes: int) -> None:
         """The KV cache's page size (K+V of one block in one layer), told once the cache is
         sized; backends that size their scratch by it override this."""

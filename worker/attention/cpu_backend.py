@@ -29,6 +29,9 @@ class CpuAttentionMetadata:
 
 
 class CpuAttentionBackend(AttentionBackend):
+    name = "CPU_ATTN"
+    dtypes = (torch.float32, torch.bfloat16)
+
     def build_metadata(self, inputs: StepAttentionInputs) -> CpuAttentionMetadata:
         nd = inputs.num_decodes
         prefills = [

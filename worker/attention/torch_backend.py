@@ -123,6 +123,8 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    name = "TORCH_SDPA"
+
     def __init__(self, decode_group_bytes: int | None = CPU_DECODE_GROUP_BYTES) -> None:
         """decode_group_bytes: K+V bytes one decode group may copy (None: one group; the
         CPU model runner passes cpu_decode_group_bytes())."""

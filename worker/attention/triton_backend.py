@@ -47,6 +47,9 @@ class TritonAttentionMetadata:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    name = "TRITON_ATTN"
+    captures_steps = True
+
     def __init__(
         self,
         num_heads: int,
