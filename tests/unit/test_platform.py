@@ -46,3 +46,31 @@ def test_cuda_choices_without_a_gpu() -> None:
     # A fixed budget is taken as given, per GPU, without profiling.
     cache = CacheConfig(kv_cache_memory_bytes=5 << 30)
     assert cuda.kv_cache_budget(cache, torch.device("cuda", 0), 2, lambda: None) == 5 << 30
+
+
+def test_the_kv_cache_commit_thread_runs_only_on_idle_time(monkeypatch) -> None:
+    """The thread that commits the KV cache's pages yields its core to every other thread
+    (SCHED_IDLE where Linux has it, else the lowest priority), and commits them all."""
+    import os
+    import threading
+
+    from tokenmill.worker import platform as platform_module
+
+    seen = {}
+    real = platform_module._yield_to_others
+
+    def watched() -> None:
+        real()
+        tid = threading.get_native_id()
+        seen["policy"] = os.sched_getscheduler(tid)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    monkeypatch.setattr(platform_module, "_yield_to_others", watched)
+    cache = platform_module._cpu_zeroed((64, 1024), torch.float32)
+    thread = platform_module.commit_pages([cache])
+    if thread is None:
+        pytest.skip("no MADV_POPULATE_WRITE here: the pages are committed by writes instead")
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert seen["policy"] == os.SCHED_IDLE or seen["nice"] == 19
+    assert torch.count_nonzero(cache) == 0
