@@ -91,14 +91,25 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed,
   // weights stream past); with one block of rows, they share nothing and each weight block is
   // read once.
   at::parallel_for(0, blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(vnni ? kBlockM * block_n : 0);
+    std::vector<float> scratch(kBlockM * block_n);
+    // A row block whose count is not a multiple of 16 runs padded with zero rows (copied
+    // here), so that oneDNN compiles a microkernel for 16 row counts, not for every count a
+    // step brings (each compile took milliseconds of a step; the rows cost nothing extra
+    // in AMX's 16-row tiles).
+    std::vector<at::BFloat16> padded_bf16;
+    std::vector<float> padded_fp32;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t nb = task % blocks, m0 = (task / blocks) * kBlockM;
-      const int64_t rows = std::min(kBlockM, m - m0);
+      const int64_t rows = std::min(kBlockM, m - m0), rows_run = (rows + 15) / 16 * 16;
       if (vnni) {
         const auto* a = x.data_ptr<at::BFloat16>() + m0 * k;
+        if (rows_run != rows) {
+          padded_bf16.assign(rows_run * k, at::BFloat16(0.f));
+          std::copy(a, a + rows * k, padded_bf16.begin());
+          a = padded_bf16.data();
+        }
         const auto* b = packed.data_ptr<at::BFloat16>() + nb * k * block_n;
-        at::native::cpublas::brgemm(rows, block_n, k, k, block_n, block_n, false, a, b,
+        at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false, a, b,
                                     scratch.data(), true);
         auto* out = y.data_ptr<at::BFloat16>() + m0 * n + nb * block_n;
         const float* bias_n = bias_ptr != nullptr ? bias_ptr + nb * block_n : nullptr;
@@ -115,13 +126,26 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed,
         const float* a = x.data_ptr<float>() + m0 * k;
         const float* b = packed.data_ptr<float>() + nb * k * block_n;
         float* c = y.data_ptr<float>() + m0 * n + nb * block_n;
-        if (bias_ptr != nullptr) {
+        if (rows_run == rows) {
+          if (bias_ptr != nullptr) {
+            for (int64_t r = 0; r < rows; ++r) {
+              std::copy(bias_ptr + nb * block_n, bias_ptr + (nb + 1) * block_n, c + r * n);
+            }
+          }
+          at::native::cpublas::brgemm(rows, block_n, k, k, block_n, n, bias_ptr != nullptr, a,
+                                      b, c, false);
+        } else {  // padded: the product into the scratch, then its rows out
+          padded_fp32.assign(rows_run * k, 0.f);
+          std::copy(a, a + rows * k, padded_fp32.begin());
+          at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false,
+                                      padded_fp32.data(), b, scratch.data(), false);
+          const float* bias_n = bias_ptr != nullptr ? bias_ptr + nb * block_n : nullptr;
           for (int64_t r = 0; r < rows; ++r) {
-            std::copy(bias_ptr + nb * block_n, bias_ptr + (nb + 1) * block_n, c + r * n);
+            for (int64_t j = 0; j < block_n; ++j) {
+              c[r * n + j] = scratch[r * block_n + j] + (bias_n != nullptr ? bias_n[j] : 0.f);
+            }
           }
         }
-        at::native::cpublas::brgemm(rows, block_n, k, k, block_n, n, bias_ptr != nullptr, a, b,
-                                    c, false);
       }
     }
     if (stream) _mm_sfence();  // the non-temporal stores reach memory before others read y

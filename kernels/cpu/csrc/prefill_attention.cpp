@@ -296,7 +296,9 @@ void run_tasks(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor
   std::atomic<int64_t> next{0};
   const int64_t count = int64_t(tasks.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
-    const int64_t max_rows = kQueryBlock * group;
+    // Rows rounded up to 16 and chunks packed at their full width: oneDNN compiles a
+    // microkernel per shape, and a few dozen shapes then serve every step.
+    const int64_t max_rows = round_up(kQueryBlock * group, 16);
     std::vector<C> qbuf(max_rows * d), kp, vp, p(max_rows * kKeyChunk);
     std::vector<float> scores(max_rows * kKeyChunk), acc(max_rows * d), row_max(max_rows),
         row_sum(max_rows);
@@ -316,13 +318,13 @@ void run_tasks(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor
       const Pages<T> pages{cache, table + b * width_blocks, block_size, kv_heads * d, h, d};
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t k0 = origin + c * kKeyChunk, keys = std::min(kKeyChunk, last - k0);
-        pack_chunk<C, T>(pages, k0, keys, round_up(keys, 16), vnni, kp.data() + c * kKeyChunk * d,
+        pack_chunk<C, T>(pages, k0, keys, kKeyChunk, vnni, kp.data() + c * kKeyChunk * d,
                          vp.data() + c * kKeyChunk * d);
       }
       for (int64_t q0 = task.first_query; q0 < task.first_query + task_queries;
            q0 += kQueryBlock) {
         const int64_t nq = std::min(kQueryBlock, task.first_query + task_queries - q0);
-        const int64_t rows = nq * group;
+        const int64_t rows = round_up(nq * group, 16);  // the rows past nq * group: padding
         // Rows head-major: row g * nq + i is query head h * group + g at the block's i-th
         // token.
         for (int64_t g = 0; g < group; ++g) {
@@ -337,6 +339,10 @@ void run_tasks(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor
             row_pos[r] = context + q0 + i;
           }
         }
+        for (int64_t r = nq * group; r < rows; ++r) {  // zero, at no position: they see no key
+          std::fill(qbuf.begin() + r * d, qbuf.begin() + (r + 1) * d, from_float<C>(0.f));
+          row_pos[r] = -1;
+        }
         std::fill(row_max.begin(), row_max.begin() + rows, kNegInf);
         std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
         std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
@@ -344,13 +350,12 @@ void run_tasks(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor
         const int64_t end_key = context + q0 + nq;
         const int64_t first = window > 0 ? std::max<int64_t>(0, context + q0 - window + 1) : 0;
         for (int64_t c = (first - origin) / kKeyChunk; origin + c * kKeyChunk < end_key; ++c) {
-          // The chunk as packed (its columns: ld), and the keys this block reaches in it.
+          // The keys this block reaches in the chunk (packed kKeyChunk columns wide).
           const int64_t k0 = origin + c * kKeyChunk;
-          const int64_t ld = round_up(std::min(kKeyChunk, last - k0), 16);
           const int64_t keys = std::min(kKeyChunk, end_key - k0), width = round_up(keys, 16);
           const C* kc = kp.data() + c * kKeyChunk * d;
           const C* vc = vp.data() + c * kKeyChunk * d;
-          at::native::cpublas::brgemm(rows, width, d, d, ld, width, false, qbuf.data(), kc,
+          at::native::cpublas::brgemm(rows, width, d, d, kKeyChunk, width, false, qbuf.data(), kc,
                                       scores.data(), vnni);
           softmax_chunk(scores.data(), p.data(), rows, width, keys, k0, row_pos.data(), window,
                         scale, softcap, row_max.data(), row_sum.data(), acc.data(), d);
