@@ -303,6 +303,9 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
+_COMMIT_CHUNK = 2 << 20  # bytes committed per call: one transparent huge page
+
+
 def commit_pages(tensors: list[torch.Tensor]) -> threading.Thread | None:
     """Commits the pages of these CPU tensors (from zeroed_tensor): left lazy, a decode step's
     K/V writes reach a fresh page every few tokens of every request.
@@ -310,8 +313,14 @@ def commit_pages(tensors: list[torch.Tensor]) -> threading.Thread | None:
     Where the kernel has MADV_POPULATE_WRITE the pages are faulted in on a daemon thread
     (ctypes releases the GIL), which the engine does not wait for: populating leaves what a
     step has written meanwhile untouched, and a 4 GiB cache takes 0.4-3 s (the first touch of
-    a VM's memory is the slow part), which start-up no longer pays. Elsewhere one write per
-    page commits them now. Returns the thread, if one was started."""
+    a VM's memory is the slow part), which start-up no longer pays. The thread runs only on
+    time no other thread wants (`_yield_to_others`), 2 MiB per call: a thread zeroing pages
+    beside a step's own on the same cores made libgomp's threads wait for each other (the
+    first request took 3-7 s instead of 0.5), and one call for the whole cache held the
+    process's memory map while the thread waited for a core, stalling every allocation (a
+    first round of W1-cpu's prompts took 7 s instead of 2). Pages a step reaches first it
+    faults in itself. Elsewhere one write per page commits them now. Returns the thread, if
+    one was started."""
     spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
     if not spans:
         return None
@@ -322,7 +331,8 @@ def commit_pages(tensors: list[torch.Tensor]) -> threading.Thread | None:
         def populate() -> None:
             _yield_to_others()
             for addr, nbytes in spans:
-                madvise(addr, nbytes, _MADV_POPULATE_WRITE)
+                for at in range(0, nbytes, _COMMIT_CHUNK):
+                    madvise(addr + at, min(_COMMIT_CHUNK, nbytes - at), _MADV_POPULATE_WRITE)
 
         thread = threading.Thread(target=populate, name="kv-commit", daemon=True)
         thread.start()
@@ -334,9 +344,7 @@ def commit_pages(tensors: list[torch.Tensor]) -> threading.Thread | None:
 
 def _yield_to_others() -> None:
     """Makes the calling thread run only on time no other thread wants (Linux's SCHED_IDLE,
-    else the lowest nice value): the KV cache's pages are committed while the first requests
-    run, and a thread beside the worker's on the same cores made libgomp's threads wait
-    for each other (the first request took 3-7 s instead of 0.3)."""
+    else the lowest priority)."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

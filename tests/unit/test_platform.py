@@ -50,27 +50,37 @@ def test_cuda_choices_without_a_gpu() -> None:
 
 def test_the_kv_cache_commit_thread_runs_only_on_idle_time(monkeypatch) -> None:
     """The thread that commits the KV cache's pages yields its core to every other thread
-    (SCHED_IDLE where Linux has it, else the lowest priority), and commits them all."""
+    (SCHED_IDLE where Linux has it, else the lowest priority), commits a huge page per call
+    (one call for the whole cache held the memory map while it waited), and commits all."""
     import os
     import threading
 
     from tokenmill.worker import platform as platform_module
 
-    seen = {}
-    real = platform_module._yield_to_others
+    seen = {"calls": 0}
+    real_yield, real_madvise = platform_module._yield_to_others, platform_module._madvise()
+    if real_madvise is None:
+        pytest.skip("no madvise here")
 
-    def watched() -> None:
-        real()
+    def watched_yield() -> None:
+        real_yield()
         tid = threading.get_native_id()
         seen["policy"] = os.sched_getscheduler(tid)
         seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
 
-    monkeypatch.setattr(platform_module, "_yield_to_others", watched)
-    cache = platform_module._cpu_zeroed((64, 1024), torch.float32)
+    def counted(addr: int, nbytes: int, advice: int) -> int:
+        seen["calls"] += 1
+        assert nbytes <= platform_module._COMMIT_CHUNK
+        return real_madvise(addr, nbytes, advice)
+
+    monkeypatch.setattr(platform_module, "_yield_to_others", watched_yield)
+    monkeypatch.setattr(platform_module, "_madvise", lambda: counted)
+    cache = platform_module._cpu_zeroed((8, 1 << 20), torch.float32)  # 32 MiB: 16 calls
     thread = platform_module.commit_pages([cache])
     if thread is None:
         pytest.skip("no MADV_POPULATE_WRITE here: the pages are committed by writes instead")
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert seen["policy"] == os.SCHED_IDLE or seen["nice"] == 19
+    assert seen["calls"] == 1 + 16  # the probe, then the cache in 2 MiB calls
     assert torch.count_nonzero(cache) == 0
