@@ -90,25 +90,26 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed,
   // A thread's consecutive tasks share a block of rows (which stays in its L2 while the
   // weights stream past); with one block of rows, they share nothing and each weight block is
   // read once.
+  // The last row block, of more than 16 rows but not a multiple of 16, runs padded with zero
+  // rows (copied once here), so that oneDNN compiles a microkernel for 31 row counts, not for
+  // every count a step brings (each compile took milliseconds of a step). Fewer rows run as
+  // they are: padded to 16, one request's decode took 20% longer.
+  const int64_t tail_m0 = (row_blocks - 1) * kBlockM, tail_rows = m - tail_m0;
+  at::Tensor tail;
+  if (tail_rows > 16 && tail_rows % 16 != 0) {
+    tail = at::zeros({(tail_rows + 15) / 16 * 16, k}, x.options());
+    tail.narrow(0, 0, tail_rows).copy_(x.narrow(0, tail_m0, tail_rows));
+  }
   at::parallel_for(0, blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kBlockM * block_n);
-    // A row block of more than 16 rows, not a multiple of 16, runs padded with zero rows
-    // (copied here), so that oneDNN compiles a microkernel for 31 row counts, not for every
-    // count a step brings (each compile took milliseconds of a step). Fewer rows run as they
-    // are: padded to 16, one request's decode took 20% longer.
-    std::vector<at::BFloat16> padded_bf16;
-    std::vector<float> padded_fp32;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t nb = task % blocks, m0 = (task / blocks) * kBlockM;
       const int64_t rows = std::min(kBlockM, m - m0);
-      const int64_t rows_run = rows < 16 ? rows : (rows + 15) / 16 * 16;
+      const bool padded = m0 == tail_m0 && tail.defined();
+      const int64_t rows_run = padded ? tail.size(0) : rows;
       if (vnni) {
-        const auto* a = x.data_ptr<at::BFloat16>() + m0 * k;
-        if (rows_run != rows) {
-          padded_bf16.assign(rows_run * k, at::BFloat16(0.f));
-          std::copy(a, a + rows * k, padded_bf16.begin());
-          a = padded_bf16.data();
-        }
+        const auto* a =
+            padded ? tail.data_ptr<at::BFloat16>() : x.data_ptr<at::BFloat16>() + m0 * k;
         const auto* b = packed.data_ptr<at::BFloat16>() + nb * k * block_n;
         at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false, a, b,
                                     scratch.data(), true);
@@ -136,10 +137,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed,
           at::native::cpublas::brgemm(rows, block_n, k, k, block_n, n, bias_ptr != nullptr, a,
                                       b, c, false);
         } else {  // padded: the product into the scratch, then its rows out
-          padded_fp32.assign(rows_run * k, 0.f);
-          std::copy(a, a + rows * k, padded_fp32.begin());
           at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false,
-                                      padded_fp32.data(), b, scratch.data(), false);
+                                      tail.data_ptr<float>(), b, scratch.data(), false);
           const float* bias_n = bias_ptr != nullptr ? bias_ptr + nb * block_n : nullptr;
           for (int64_t r = 0; r < rows; ++r) {
             for (int64_t j = 0; j < block_n; ++j) {
