@@ -54,7 +54,9 @@ def main() -> None:
         root.mkdir()
         (root / "tokenmill").symlink_to(tree)
         env = dict(os.environ)
-        env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+        # No empty entry (it would put the working directory, the repository's root with
+        # its kernels/ folder shadowing the PyPI package, on the path).
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
         envs.append(env)
     rates: list[list[float]] = [[] for _ in trees]
     hf = None
