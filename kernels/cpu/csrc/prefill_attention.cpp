@@ -5,11 +5,12 @@
 // Request p's queries are the tokens [query_start[p], query_start[p + 1]) of query [T, heads,
 // d]; after them it holds seq_lens[p] tokens, so its i-th query sits at position
 // seq_lens[p] - q_len + i and sees keys k <= that position (and k > position - window with a
-// sliding window). A task is (request, KV head, block of kQueryBlock query positions): the
-// group's query heads stacked as rows, it walks the keys in chunks of kKeyChunk, packs each
-// chunk's keys and values into the microkernel's layout, and runs flash attention: scores by
-// one batch-reduce GEMM (oneDNN's microkernel through torch, AMX tiles where the CPU has
-// them), an online softmax in fp32, values accumulated by a second GEMM. bf16 multiplies bf16
+// sliding window). A task is (request, KV head, up to kQueriesPerTask queries): its keys and
+// values are packed once, in chunks of kKeyChunk, into the microkernel's layout; each block of
+// kQueryBlock queries (the group's query heads stacked as rows) then runs flash attention over
+// the chunks it reaches: scores by one batch-reduce GEMM (oneDNN's microkernel through torch,
+// AMX tiles where the CPU has them), an online softmax in fp32, values accumulated by a
+// second GEMM. Threads take the tasks longest first, one at a time. bf16 multiplies bf16
 // (probabilities rounded to bf16, as torch's CPU flash attention does) where oneDNN has a
 // bf16 microkernel (AVX-512), else in fp32; fp32 in fp32.
 #include <ATen/ATen.h>
@@ -31,7 +32,7 @@
 namespace tokenmill {
 namespace {
 
-constexpr int64_t kQueryBlock = 32;  // query positions per task
+constexpr int64_t kQueryBlock = 32;  // query positions per pair of GEMMs
 constexpr int64_t kKeyChunk = 128;   // keys per pair of GEMMs
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
