@@ -25,19 +25,28 @@ class CpuAttentionMetadata:
     prefill_table: torch.Tensor  # [P, blocks] the prefilling requests' rows
     prefill_starts: torch.Tensor  # [P + 1] their queries' offsets after the decodes' tokens
     prefill_lens: torch.Tensor  # [P]
-    prefills: list[PrefillSpan]  # the same, for the memory-profiling run (no cache yet)
+    # The same as the torch backend's spans, only for the memory-profiling run (no cache yet).
+    profile_prefills: list[PrefillSpan] | None
 
 
 class CpuAttentionBackend(AttentionBackend):
     name = "CPU_ATTN"
     dtypes = (torch.float32, torch.bfloat16)
 
+    def __init__(self) -> None:
+        self._cache_allocated = False
+
+    def set_block_bytes(self, block_bytes: int) -> None:
+        self._cache_allocated = True  # told as the runner allocates the cache
+
     def build_metadata(self, inputs: StepAttentionInputs) -> CpuAttentionMetadata:
         nd = inputs.num_decodes
-        prefills = [
-            PrefillSpan(start, end, seq_len, None if ids is None else torch.from_numpy(2 * ids))
-            for start, end, seq_len, ids in prefill_layout(inputs)
-        ]
+        profile_prefills = None
+        if not self._cache_allocated:
+            profile_prefills = [
+                PrefillSpan(start, end, seq_len, None if ids is None else torch.from_numpy(2 * ids))
+                for start, end, seq_len, ids in prefill_layout(inputs)
+            ]
         starts = np.zeros(len(inputs.query_lens) - nd + 1, dtype=np.int64)
         np.cumsum(inputs.query_lens[nd:], out=starts[1:])
         return CpuAttentionMetadata(
@@ -47,7 +56,7 @@ class CpuAttentionBackend(AttentionBackend):
             torch.from_numpy(np.ascontiguousarray(inputs.block_table[nd:])),
             torch.from_numpy(starts),
             torch.from_numpy(inputs.seq_lens[nd:].astype(np.int64)),
-            prefills,
+            profile_prefills,
         )
 
     def forward(
@@ -61,17 +70,17 @@ class CpuAttentionBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
+        if metadata.profile_prefills is not None:  # no cache yet: prompts only, on torch
+            out = torch.empty_like(query)
+            attend_prefills(query, key, value, kv_cache, metadata.profile_prefills, out, scale,
+                            window, softcap)  # fmt: skip
+            return out
+        kv_cache_write(kv_cache, key, value, metadata.slots)
         nd = metadata.seq_lens.shape[0]
-        if not metadata.prefills:
-            kv_cache_write(kv_cache, key, value, metadata.slots)
+        if not metadata.prefill_lens.shape[0]:
             return decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens,
                                     scale, window, softcap)  # fmt: skip
         out = torch.empty_like(query)
-        if not kv_cache.numel():  # the memory-profiling run: no cache yet, prompts only
-            attend_prefills(query, key, value, kv_cache, metadata.prefills, out, scale, window,
-                            softcap)  # fmt: skip
-            return out
-        kv_cache_write(kv_cache, key, value, metadata.slots)
         if nd:
             out[:nd] = decode_attention(query[:nd], kv_cache, metadata.block_table,
                                         metadata.seq_lens, scale, window, softcap)  # fmt: skip
