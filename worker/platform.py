@@ -3,8 +3,8 @@
 The worker and its model runner ask their platform instead of testing `device.type`:
 - CPU: glibc malloc keeps freed memory (steps allocate their activations afresh), oneDNN
   keeps more compiled matmul kernels (see ONEDNN_KERNEL_CACHE), the ranks of a host split
-  its cores, the KV cache is lazily zeroed memory committed in the
-  background, matmul weights are packed for tokenmill's CPU kernels (kernels/cpu/; oneDNN's
+  its cores, the KV cache is lazily zeroed memory (committed in the background only where
+  Linux gives it no huge pages), matmul weights are packed for tokenmill's CPU kernels (kernels/cpu/; oneDNN's
   layout where they are not in use), decode attention runs in groups sized to
   the L2 caches, Triton kernels run in the interpreter (tests), the KV budget is a share of
   the host's RAM, steps run in turn (the forward needs every core), gloo all-reduces.
@@ -141,7 +141,12 @@ class CpuPlatform(Platform):
         return _cpu_zeroed(shape, dtype)
 
     def commit(self, tensors: list[torch.Tensor]) -> None:
-        commit_pages(tensors)
+        # With transparent huge pages a first touch faults in 2 MiB: a step rarely meets one,
+        # and the cache is better left lazy than committed beside the steps (a thread
+        # committing 4 GiB slowed W1-cpu's first rounds by 5-8%, as it took the memory
+        # bandwidth the steps stream at). Without them the pages are committed.
+        if not transparent_huge_pages():
+            commit_pages(tensors)
 
     def cpu_kernels(self) -> bool:
         return cpu_kernels_in_use()
@@ -288,6 +293,16 @@ def _cpu_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buffer.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(buffer, dtype=torch.uint8)  # keeps the mapping alive
     return raw.view(dtype).view(shape)
+
+
+def transparent_huge_pages() -> bool:
+    """Whether Linux backs the mappings _cpu_zeroed advises with 2 MiB pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and ("[always]" in mode or "[madvise]" in mode)
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable without writing to them
