@@ -164,6 +164,11 @@ class BlockPool:
             for block in copies.values():
                 block.block_hash = None
         self.cached_blocks.clear()
+        # The queue starts over in the order of a new pool. No block holds anything worth
+        # keeping now, and the blocks handed out since start-up (from the lowest ids up) come
+        # first again: their memory is already in use (on the CPU a first touch of a KV page
+        # costs a page fault, milliseconds for a huge page on a VM).
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
         return True
 
     def _evict_hash(self, block: KVCacheBlock) -> None:

@@ -141,3 +141,19 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use() -> None:
     pool.free_blocks(held)
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(b"h") is None and held[0].block_hash is None
+
+
+def test_reset_prefix_cache_hands_out_blocks_from_the_lowest_ids_again() -> None:
+    """After a reset nothing cached is at stake: the blocks used before (lowest ids, whose
+    memory is touched already) are handed out first, not the never-used ones behind them."""
+    pool = BlockPool(10)
+    first = pool.get_new_blocks(3)
+    assert [b.block_id for b in first] == [1, 2, 3]
+    for i, block in enumerate(first):
+        pool.cache_full_block(block, bytes([i]))
+    pool.free_blocks(first)  # hashed: to the tail, behind the never-used blocks 4..9
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [4]
+    pool.free_blocks([pool.blocks[4]])
+    assert pool.reset_prefix_cache() is True
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [1, 2, 3, 4]
+    assert pool.num_free_blocks == 5
