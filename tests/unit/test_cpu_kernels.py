@@ -63,7 +63,7 @@ def test_linear_equals_the_reference(isa, dtype, n, k, with_bias) -> None:
     bias = torch.randn(n).to(dtype) if with_bias else None
     packed = cpu_linear.pack_weight(weight)
     assert packed is not None and torch.equal(cpu_linear.unpack_weight(packed), weight)
-    for m in (1, 3, 17, 256, 300):  # decode rows, odd counts, one and two row blocks
+    for m in (1, 2, 3, 4, 17, 256, 300):  # decode rows, odd counts, one and two row blocks
         x = torch.randn(m, k).to(dtype)
         want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         got = cpu_linear.linear(x, packed, bias)
