@@ -34,6 +34,23 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*shape[:-1], y.shape[-1])
 
 
+def linear_silu_mul(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """silu(gate) * up for a gated MLP's packed [gate; up] weight, [..., K] -> [..., N / 2]:
+    silu_and_mul(linear(x, packed, bias)) bit for bit, without the [..., N] product. The
+    halves must be whole column blocks (`fuses_silu_mul`)."""
+    shape = x.shape
+    y = torch.ops.tokenmill.linear_silu_mul(x.reshape(-1, shape[-1]), packed, bias)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def fuses_silu_mul(packed: torch.Tensor) -> bool:
+    """Whether `linear_silu_mul` takes this weight: packed for `linear`, its gate and up
+    halves whole blocks."""
+    return packed.dim() in (3, 4) and not packed.is_mkldnn and packed.shape[0] % 2 == 0
+
+
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     """The [N, K] weight a packed one was made from."""
     if packed.dim() == 4:

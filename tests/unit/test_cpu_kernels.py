@@ -72,6 +72,28 @@ def test_linear_equals_the_reference(isa, dtype, n, k, with_bias) -> None:
         _assert_sums_close(got, want, magnitude, k + 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inter, k", [(1536, 576), (64, 130)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_silu_mul_is_silu_and_mul_of_linear_bit_for_bit(isa, dtype, inter, k,
+                                                               with_bias) -> None:
+    from tokenmill.kernels.cpu.layers import silu_and_mul
+
+    torch.manual_seed(inter + k)
+    weight = torch.randn(2 * inter, k).to(dtype)  # [gate; up]
+    bias = torch.randn(2 * inter).to(dtype) if with_bias else None
+    packed = cpu_linear.pack_weight(weight)
+    assert cpu_linear.fuses_silu_mul(packed)
+    for m in (1, 2, 4, 5, 17, 256, 300):  # the few-row loop, padded tails, two row blocks
+        x = torch.randn(m, k).to(dtype)
+        got = cpu_linear.linear_silu_mul(x, packed, bias)
+        want = silu_and_mul(cpu_linear.linear(x, packed, bias))
+        assert got.dtype == dtype and got.shape == (m, inter)
+        assert torch.equal(got, want), (m, (got.float() - want.float()).abs().max())
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        cpu_linear.linear_silu_mul(x, cpu_linear.pack_weight(torch.randn(48, k).to(dtype)))
+
+
 def test_linear_keeps_leading_dimensions_and_handles_no_rows() -> None:
     weight = torch.randn(64, 32)
     packed = cpu_linear.pack_weight(weight)

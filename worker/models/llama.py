@@ -93,7 +93,14 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if gate_up.weight.dim() > 2 and gate_up.weight.dtype == x.dtype:
+            # Packed for tokenmill's CPU kernels (not widened to fp32 for this CPU).
+            from tokenmill.kernels.cpu.linear import fuses_silu_mul, linear_silu_mul
+
+            if fuses_silu_mul(gate_up.weight):  # one pass, no [.., 2 * inter] product
+                return self.down_proj(linear_silu_mul(x, gate_up.weight, gate_up.bias))
+        return self.down_proj(self.act_fn(gate_up(x)))
 
 
 MlpFactory = Callable[[ModelConfig, int], nn.Module]

@@ -62,6 +62,14 @@ TOKENMILL_ISA_PORTABLE_VARIANTS(silu_mul_rows, (const float* x, float* out, int6
 
 }  // namespace
 
+void silu_and_mul_rows(const at::BFloat16* x, at::BFloat16* out, int64_t rows, int64_t n) {
+  silu_mul_rows(x, out, rows, n);
+}
+
+void silu_and_mul_rows(const float* x, float* out, int64_t rows, int64_t n) {
+  silu_mul_rows(x, out, rows, n);
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x_in) {
   const int64_t n = x_in.size(-1) / 2;
   TORCH_CHECK(x_in.size(-1) == 2 * n, "silu_and_mul: the last dimension must be even, got ",

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -104,29 +105,8 @@ void gemv_block_n(int64_t block_n, const at::BFloat16* x, int64_t x_stride,
   }
 }
 
-// y [m, N] = x [m, K] @ W^T for m <= kGemvRows, column blocks split among the threads.
+// Rows up to which gemv_block runs instead of the AMX microkernel.
 constexpr int64_t kGemvRows = 4;
-
-void gemv(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
-  const int64_t m = x.size(0), k = x.size(1);
-  const int64_t blocks = packed.size(0), block_n = packed.size(2), n = blocks * block_n;
-  const auto* xp = x.data_ptr<at::BFloat16>();
-  const auto* wp = packed.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const at::BFloat16* w = wp + nb * k * block_n;
-      const float* b = bias != nullptr ? bias + nb * block_n : nullptr;
-      at::BFloat16* out = yp + nb * block_n;
-      switch (m) {
-        case 1: gemv_block_n<1>(block_n, xp, k, w, k, b, out, n); break;
-        case 2: gemv_block_n<2>(block_n, xp, k, w, k, b, out, n); break;
-        case 3: gemv_block_n<3>(block_n, xp, k, w, k, b, out, n); break;
-        default: gemv_block_n<4>(block_n, xp, k, w, k, b, out, n);
-      }
-    }
-  });
-}
 
 }  // namespace
 
@@ -146,93 +126,195 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block_n) {
   return weight.reshape({blocks, block_n, k}).transpose(1, 2).contiguous();
 }
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed,
-                  const c10::optional<at::Tensor>& bias_in) {
-  const bool vnni = packed.dim() == 4;
-  TORCH_CHECK(vnni || packed.dim() == 3, "linear: not a packed weight: ", packed.sizes());
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == packed.scalar_type(),
-              "linear: x must be 2-D in the weight's dtype (", packed.scalar_type(), "), got ",
-              x_in.sizes(), " ", x_in.scalar_type());
-  const int64_t blocks = packed.size(0), block_n = packed.size(2);
-  const int64_t k = vnni ? packed.size(1) * 2 : packed.size(1);
-  const int64_t n = blocks * block_n, m = x_in.size(0);
-  TORCH_CHECK(x_in.size(1) == k, "linear: x has ", x_in.size(1), " features, the weight ", k);
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  at::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) bias = bias_in->to(at::kFloat).contiguous();
-  const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
+namespace {
 
-  if (vnni && m <= kGemvRows && cpu_isa() >= 2) {
-    gemv(x, packed, bias_ptr, y);
-    return y;
+// One product x @ W^T on a packed weight, ready to run block by block.
+struct Product {
+  at::Tensor x;     // [m, k], contiguous
+  at::Tensor tail;  // the last row block padded with zero rows (see below), or undefined
+  const at::Tensor& packed;
+  const float* bias;
+  bool vnni;
+  int64_t m, k, blocks, block_n, tail_m0;
+
+  Product(const char* op, const at::Tensor& x_in, const at::Tensor& packed_in,
+          const at::Tensor& bias_fp32)
+      : packed(packed_in), bias(bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr) {
+    vnni = packed.dim() == 4;
+    TORCH_CHECK(vnni || packed.dim() == 3, op, ": not a packed weight: ", packed.sizes());
+    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == packed.scalar_type(), op,
+                ": x must be 2-D in the weight's dtype (", packed.scalar_type(), "), got ",
+                x_in.sizes(), " ", x_in.scalar_type());
+    blocks = packed.size(0);
+    block_n = packed.size(2);
+    k = vnni ? packed.size(1) * 2 : packed.size(1);
+    m = x_in.size(0);
+    TORCH_CHECK(x_in.size(1) == k, op, ": x has ", x_in.size(1), " features, the weight ", k);
+    x = x_in.contiguous();
+    // The last row block, of more than 16 rows but not a multiple of 16, runs padded with zero
+    // rows (copied once here), so that oneDNN compiles a microkernel for 31 row counts, not
+    // for every count a step brings (each compile took milliseconds of a step). Fewer rows run
+    // as they are: padded to 16, one request's decode took 20% longer.
+    tail_m0 = (row_blocks() - 1) * kBlockM;
+    const int64_t tail_rows = m - tail_m0;
+    if (m > 0 && tail_rows > 16 && tail_rows % 16 != 0) {
+      tail = at::zeros({(tail_rows + 15) / 16 * 16, k}, x.options());
+      tail.narrow(0, 0, tail_rows).copy_(x.narrow(0, tail_m0, tail_rows));
+    }
   }
-  const int64_t row_blocks = (m + kBlockM - 1) / kBlockM;
-  const bool stream = m * n * 2 > kStreamBytes;
-  // A thread's consecutive tasks share a block of rows (which stays in its L2 while the
-  // weights stream past); with one block of rows, they share nothing and each weight block is
-  // read once.
-  // The last row block, of more than 16 rows but not a multiple of 16, runs padded with zero
-  // rows (copied once here), so that oneDNN compiles a microkernel for 31 row counts, not for
-  // every count a step brings (each compile took milliseconds of a step). Fewer rows run as
-  // they are: padded to 16, one request's decode took 20% longer.
-  const int64_t tail_m0 = (row_blocks - 1) * kBlockM, tail_rows = m - tail_m0;
-  at::Tensor tail;
-  if (tail_rows > 16 && tail_rows % 16 != 0) {
-    tail = at::zeros({(tail_rows + 15) / 16 * 16, k}, x.options());
-    tail.narrow(0, 0, tail_rows).copy_(x.narrow(0, tail_m0, tail_rows));
-  }
-  at::parallel_for(0, blocks * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(kBlockM * block_n);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t nb = task % blocks, m0 = (task / blocks) * kBlockM;
-      const int64_t rows = std::min(kBlockM, m - m0);
-      const bool padded = m0 == tail_m0 && tail.defined();
-      const int64_t rows_run = padded ? tail.size(0) : rows;
-      if (vnni) {
-        const auto* a =
-            padded ? tail.data_ptr<at::BFloat16>() : x.data_ptr<at::BFloat16>() + m0 * k;
-        const auto* b = packed.data_ptr<at::BFloat16>() + nb * k * block_n;
-        at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false, a, b,
-                                    scratch.data(), true);
-        auto* out = y.data_ptr<at::BFloat16>() + m0 * n + nb * block_n;
-        const float* bias_n = bias_ptr != nullptr ? bias_ptr + nb * block_n : nullptr;
-        const bool avx512 = cpu_isa() >= 2;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* c = scratch.data() + r * block_n;
-          if (avx512) {
-            store_bf16_avx512(c, bias_n, out + r * n, block_n, stream);
-          } else {
-            store_bf16_scalar(c, bias_n, out + r * n, block_n);
+
+  int64_t row_blocks() const { return (m + kBlockM - 1) / kBlockM; }
+  // Up to kGemvRows rows on CPUs with AVX512-BF16: gemv_block, not the AMX microkernel.
+  bool gemv_rows() const { return vnni && m <= kGemvRows && cpu_isa() >= 2; }
+
+  // Rows [m0, m0 + kBlockM) of the product's column block nb, bias added, into dst (row
+  // stride dst_stride, in the weight's dtype); `stream`: past the caches (bf16).
+  template <typename T>
+  void block(int64_t m0, int64_t nb, T* dst, int64_t dst_stride, bool stream,
+             float* scratch) const {
+    const int64_t rows = std::min(kBlockM, m - m0);
+    const bool padded = m0 == tail_m0 && tail.defined();
+    const int64_t rows_run = padded ? tail.size(0) : rows;
+    const float* bias_n = bias != nullptr ? bias + nb * block_n : nullptr;
+    if constexpr (std::is_same<T, at::BFloat16>::value) {
+      const auto* a =
+          padded ? tail.data_ptr<at::BFloat16>() : x.data_ptr<at::BFloat16>() + m0 * k;
+      const auto* b = packed.data_ptr<at::BFloat16>() + nb * k * block_n;
+      at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false, a, b,
+                                  scratch, true);
+      const bool avx512 = cpu_isa() >= 2;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* c = scratch + r * block_n;
+        if (avx512) {
+          store_bf16_avx512(c, bias_n, dst + r * dst_stride, block_n, stream);
+        } else {
+          store_bf16_scalar(c, bias_n, dst + r * dst_stride, block_n);
+        }
+      }
+    } else {
+      const float* a = padded ? tail.data_ptr<float>() : x.data_ptr<float>() + m0 * k;
+      const float* b = packed.data_ptr<float>() + nb * k * block_n;
+      if (!padded) {
+        if (bias_n != nullptr) {
+          for (int64_t r = 0; r < rows; ++r) {
+            std::copy(bias_n, bias_n + block_n, dst + r * dst_stride);
           }
         }
-      } else {
-        const float* a = x.data_ptr<float>() + m0 * k;
-        const float* b = packed.data_ptr<float>() + nb * k * block_n;
-        float* c = y.data_ptr<float>() + m0 * n + nb * block_n;
-        if (rows_run == rows) {
-          if (bias_ptr != nullptr) {
-            for (int64_t r = 0; r < rows; ++r) {
-              std::copy(bias_ptr + nb * block_n, bias_ptr + (nb + 1) * block_n, c + r * n);
-            }
-          }
-          at::native::cpublas::brgemm(rows, block_n, k, k, block_n, n, bias_ptr != nullptr, a,
-                                      b, c, false);
-        } else {  // padded: the product into the scratch, then its rows out
-          at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false,
-                                      tail.data_ptr<float>(), b, scratch.data(), false);
-          const float* bias_n = bias_ptr != nullptr ? bias_ptr + nb * block_n : nullptr;
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t j = 0; j < block_n; ++j) {
-              c[r * n + j] = scratch[r * block_n + j] + (bias_n != nullptr ? bias_n[j] : 0.f);
-            }
+        at::native::cpublas::brgemm(rows, block_n, k, k, block_n, dst_stride, bias_n != nullptr,
+                                    a, b, dst, false);
+      } else {  // padded: the product into the scratch, then its rows out
+        at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false, a, b,
+                                    scratch, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < block_n; ++j) {
+            dst[r * dst_stride + j] =
+                scratch[r * block_n + j] + (bias_n != nullptr ? bias_n[j] : 0.f);
           }
         }
       }
     }
+  }
+
+  // Column block nb of every row (gemv_rows()), bias added, into dst (row stride dst_stride).
+  void gemv(int64_t nb, at::BFloat16* dst, int64_t dst_stride) const {
+    const auto* xp = x.data_ptr<at::BFloat16>();
+    const at::BFloat16* w = packed.data_ptr<at::BFloat16>() + nb * k * block_n;
+    const float* b = bias != nullptr ? bias + nb * block_n : nullptr;
+    switch (m) {
+      case 1: gemv_block_n<1>(block_n, xp, k, w, k, b, dst, dst_stride); break;
+      case 2: gemv_block_n<2>(block_n, xp, k, w, k, b, dst, dst_stride); break;
+      case 3: gemv_block_n<3>(block_n, xp, k, w, k, b, dst, dst_stride); break;
+      default: gemv_block_n<4>(block_n, xp, k, w, k, b, dst, dst_stride);
+    }
+  }
+};
+
+at::Tensor fp32_bias(const c10::optional<at::Tensor>& bias) {
+  return bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed,
+                  const c10::optional<at::Tensor>& bias_in) {
+  const at::Tensor bias = fp32_bias(bias_in);
+  const Product p("linear", x_in, packed, bias);
+  const int64_t n = p.blocks * p.block_n;
+  at::Tensor y = at::empty({p.m, n}, p.x.options());
+  if (p.m == 0) return y;
+  if (p.gemv_rows()) {
+    auto* yp = y.data_ptr<at::BFloat16>();
+    at::parallel_for(0, p.blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) p.gemv(nb, yp + nb * p.block_n, n);
+    });
+    return y;
+  }
+  const bool stream = p.m * n * 2 > kStreamBytes;
+  // A thread's consecutive tasks share a block of rows (which stays in its L2 while the
+  // weights stream past); with one block of rows, they share nothing and each weight block is
+  // read once.
+  at::parallel_for(0, p.blocks * p.row_blocks(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kBlockM * p.block_n);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t nb = task % p.blocks, m0 = (task / p.blocks) * kBlockM;
+      if (p.vnni) {
+        p.block(m0, nb, y.data_ptr<at::BFloat16>() + m0 * n + nb * p.block_n, n, stream,
+                scratch.data());
+      } else {
+        p.block(m0, nb, y.data_ptr<float>() + m0 * n + nb * p.block_n, n, false,
+                scratch.data());
+      }
+    }
     if (stream) _mm_sfence();  // the non-temporal stores reach memory before others read y
-    at::native::cpublas::brgemm_release(vnni);
+    at::native::cpublas::brgemm_release(p.vnni);
+  });
+  return y;
+}
+
+// A task is (row block, column block j of the gate): the gate's block j and the up's block j
+// (blocks / 2 + j) go into a buffer of rows [gate | up], in the dtype as linear writes them,
+// and silu_and_mul's own loop makes the task's output from it: the result is
+// silu_and_mul(linear(x, packed)) bit for bit, without the [m, 2n] product in memory.
+at::Tensor linear_silu_mul(const at::Tensor& x_in, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias_in) {
+  const at::Tensor bias = fp32_bias(bias_in);
+  const Product p("linear_silu_mul", x_in, packed, bias);
+  TORCH_CHECK(p.blocks % 2 == 0, "linear_silu_mul: the gate and up halves must be whole "
+              "blocks of ", p.block_n, " columns, got ", p.blocks * p.block_n, " columns");
+  const int64_t half = p.blocks / 2, bn = p.block_n, n = half * bn;
+  at::Tensor y = at::empty({p.m, n}, p.x.options());
+  if (p.m == 0) return y;
+  const bool gemv = p.gemv_rows();
+  const int64_t row_blocks = gemv ? 1 : p.row_blocks();
+  at::parallel_for(0, half * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kBlockM * bn);
+    std::vector<at::BFloat16> both16(p.vnni ? kBlockM * 2 * bn : 0);
+    std::vector<float> both32(p.vnni ? 0 : kBlockM * 2 * bn);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j = task % half, m0 = (task / half) * kBlockM;
+      const int64_t rows = std::min(kBlockM, p.m - m0);
+      if (p.vnni) {
+        if (gemv) {
+          p.gemv(j, both16.data(), 2 * bn);
+          p.gemv(half + j, both16.data() + bn, 2 * bn);
+        } else {
+          p.block(m0, j, both16.data(), 2 * bn, false, scratch.data());
+          p.block(m0, half + j, both16.data() + bn, 2 * bn, false, scratch.data());
+        }
+        auto* out = y.data_ptr<at::BFloat16>() + m0 * n + j * bn;
+        for (int64_t r = 0; r < rows; ++r) {
+          silu_and_mul_rows(both16.data() + r * 2 * bn, out + r * n, 1, bn);
+        }
+      } else {
+        p.block(m0, j, both32.data(), 2 * bn, false, scratch.data());
+        p.block(m0, half + j, both32.data() + bn, 2 * bn, false, scratch.data());
+        float* out = y.data_ptr<float>() + m0 * n + j * bn;
+        for (int64_t r = 0; r < rows; ++r) {
+          silu_and_mul_rows(both32.data() + r * 2 * bn, out + r * n, 1, bn);
+        }
+      }
+    }
+    if (!gemv) at::native::cpublas::brgemm_release(p.vnni);
   });
   return y;
 }

@@ -16,13 +16,20 @@ int64_t limit_cpu_isa(int64_t limit);
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block_n);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const c10::optional<at::Tensor>& bias);
+// silu(gate) * up of a gated MLP's packed gate/up weight (gate in the first half of its
+// blocks, up in the second) without its [.., 2n] product: silu_and_mul(linear(x, packed)).
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias);
 
 // rms_norm.cpp: RMSNorm of x (after residual += x, in place, when given).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const c10::optional<at::Tensor>& residual);
 
-// activation.cpp: silu(gate) * up of a [.., 2n] gate/up output.
+// activation.cpp: silu(gate) * up of a [.., 2n] gate/up output; the same over `rows` rows of
+// [gate (n) | up (n)] (the loop linear_silu_mul's tasks run on their blocks).
 at::Tensor silu_and_mul(const at::Tensor& x);
+void silu_and_mul_rows(const at::BFloat16* x, at::BFloat16* out, int64_t rows, int64_t n);
+void silu_and_mul_rows(const float* x, float* out, int64_t rows, int64_t n);
 
 // rotary.cpp: queries/keys [T, heads, d] rotated in place by their positions.
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,

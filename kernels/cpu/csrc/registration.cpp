@@ -9,6 +9,7 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("limit_cpu_isa(int limit) -> int");
   m.def("pack_linear_weight(Tensor weight, int block_n) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("linear_silu_mul(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
@@ -24,6 +25,7 @@ TORCH_LIBRARY(tokenmill, m) {
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("pack_linear_weight", &tokenmill::pack_linear_weight);
   m.impl("linear", &tokenmill::linear);
+  m.impl("linear_silu_mul", &tokenmill::linear_silu_mul);
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
   m.impl("rotary_embedding", &tokenmill::rotary_embedding);
