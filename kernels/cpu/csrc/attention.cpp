@@ -13,11 +13,12 @@
 // and the parts merged (flash-decoding); threads take the jobs longest first. Optional: a
 // sliding window (keys p - window < k <= p) and soft-capped scores (softcap * tanh(s /
 // softcap)), as Gemma 2. A head's softmax reference moves only when a score passes it by
-// kSlack. On CPUs with AVX512-BF16 a bf16 cache's dots and weighted values run on bf16 pairs
-// (vdpbf16ps), the weights rounded to bf16 as torch's CPU flash attention rounds them.
-// Measured on 2 AMX cores, 64 requests of 200 bf16 positions (3 KV heads of 64, 3 query heads
-// each) from DRAM: 0.61 ms a layer, 3.3x faster than a task per (request, KV head) that went
-// position by position with a horizontal sum per score.
+// kSlack. On CPUs with AVX512-BF16 a bf16 cache's dots run on bf16 pairs (vdpbf16ps: exact
+// products, fp32 sums); the weighted values stay in fp32 (in bf16, as torch's CPU flash
+// attention rounds them, SmolLM2's bf16 log-probabilities strayed past the HF test's bound,
+// and it was slower). Measured on 2 AMX cores, 64 requests of 200 bf16 positions (3 KV heads
+// of 64, 3 query heads each) from DRAM: 0.53 ms a layer, 3.8x faster than a task per
+// (request, KV head) that went position by position with a horizontal sum per score.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -178,40 +179,18 @@ TOKENMILL_AVX512_INLINE __m512 chunk_scores(const void* q, const T* keys, int64_
   return sum16(x);
 }
 
-// The chunk's weighted values added into a query group's sums (acc [group, d]); weights
-// [group][16] in fp32, and (kPairs) the same rounded to bf16, two keys' side by side.
-// kPairs: two keys' rows interleaved column by column (one permute) and their two weights
-// multiplied in by one vdpbf16ps, the softmax's probabilities in bf16 as torch's own CPU
-// flash attention takes them; an odd last key goes in fp32.
-template <typename T, bool kPairs, int D, int G>
+// The chunk's weighted values (weights [group][16], fp32) added into a query group's sums
+// (acc [group, d]), each value row widened once for the group's heads.
+template <typename T, int D, int G>
 TOKENMILL_AVX512_INLINE void chunk_values(const T* values, int64_t row, int64_t n,
                                           int64_t group_runtime, int64_t d_runtime,
-                                          const float (*weights)[16],
-                                          const uint32_t (*weight_pairs)[8], float* acc) {
+                                          const float (*weights)[16], float* acc) {
   const int64_t d = D > 0 ? D : d_runtime;
   const int64_t group = G > 0 ? G : group_runtime;
-  // vpermw's indices: lane 2c from the first row's column c, 2c + 1 from the second's.
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t i = 0; i < d; i += 16) {
     __m512 sums[kMaxGroup];
     for (int64_t g = 0; g < group; ++g) sums[g] = _mm512_loadu_ps(acc + g * d + i);
-    int64_t t = 0;
-    if constexpr (kPairs) {
-      for (; t + 1 < n; t += 2) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + t * row + i));
-        const __m256i b =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (t + 1) * row + i));
-        const __m512i both = _mm512_permutexvar_epi16(
-            interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
-        for (int64_t g = 0; g < group; ++g) {
-          sums[g] = dot_bf16_pairs(sums[g], both,
-                                   _mm512_set1_epi32(int(weight_pairs[g][t / 2])));
-        }
-      }
-    }
-    for (; t < n; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       const __m512 vi = avx512::load(values + t * row + i);
       for (int64_t g = 0; g < group; ++g) {
         sums[g] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g][t]), vi, sums[g]);
@@ -245,7 +224,6 @@ TOKENMILL_AVX512_INLINE void attend_heads_avx512_impl(
   }
   std::fill(acc, acc + kv_heads * group * d, 0.f);
   alignas(64) float weights[kMaxGroup][16];
-  alignas(64) uint32_t weight_pairs[kMaxGroup][8];
   // Each query head's sum of weights, 16 lanes wide (added across lanes at the end).
   std::vector<float> weight_sums(kv_heads * group * 16, 0.f);
   for (int64_t pos = first; pos < last;) {
@@ -300,9 +278,6 @@ TOKENMILL_AVX512_INLINE void attend_heads_avx512_impl(
         const __m512 w = _mm512_maskz_mov_ps(
             valid, avx512::exp(_mm512_sub_ps(s, _mm512_set1_ps(part.max[g]))));
         _mm512_store_ps(weights[g], w);
-        if constexpr (kPairs) {
-          _mm256_store_si256(reinterpret_cast<__m256i*>(weight_pairs[g]), avx512::bf16_native(w));
-        }
         float* ws = weight_sums.data() + (h * group + g) * 16;
         _mm512_storeu_ps(ws, _mm512_add_ps(_mm512_loadu_ps(ws), w));
       }
@@ -310,12 +285,12 @@ TOKENMILL_AVX512_INLINE void attend_heads_avx512_impl(
       // Compiled for the common group sizes, so that the group's sums stay in registers.
       const T* v_h = values + h * d;
       switch (group) {
-        case 1: chunk_values<T, kPairs, D, 1>(v_h, row, n, 1, d, weights, weight_pairs, acc_h); break;
-        case 2: chunk_values<T, kPairs, D, 2>(v_h, row, n, 2, d, weights, weight_pairs, acc_h); break;
-        case 3: chunk_values<T, kPairs, D, 3>(v_h, row, n, 3, d, weights, weight_pairs, acc_h); break;
-        case 4: chunk_values<T, kPairs, D, 4>(v_h, row, n, 4, d, weights, weight_pairs, acc_h); break;
-        case 8: chunk_values<T, kPairs, D, 8>(v_h, row, n, 8, d, weights, weight_pairs, acc_h); break;
-        default: chunk_values<T, kPairs, D, 0>(v_h, row, n, group, d, weights, weight_pairs, acc_h);
+        case 1: chunk_values<T, D, 1>(v_h, row, n, 1, d, weights, acc_h); break;
+        case 2: chunk_values<T, D, 2>(v_h, row, n, 2, d, weights, acc_h); break;
+        case 3: chunk_values<T, D, 3>(v_h, row, n, 3, d, weights, acc_h); break;
+        case 4: chunk_values<T, D, 4>(v_h, row, n, 4, d, weights, acc_h); break;
+        case 8: chunk_values<T, D, 8>(v_h, row, n, 8, d, weights, acc_h); break;
+        default: chunk_values<T, D, 0>(v_h, row, n, group, d, weights, acc_h);
       }
     }
     pos = next;
