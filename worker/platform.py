@@ -4,10 +4,11 @@ The worker and its model runner ask their platform instead of testing `device.ty
 - CPU: glibc malloc keeps freed memory (steps allocate their activations afresh), oneDNN
   keeps more compiled matmul kernels (see ONEDNN_KERNEL_CACHE), the ranks of a host split
   its cores, the KV cache is lazily zeroed memory (committed in the background only where
-  Linux gives it no huge pages), matmul weights are packed for tokenmill's CPU kernels (kernels/cpu/; oneDNN's
-  layout where they are not in use), decode attention runs in groups sized to
-  the L2 caches, Triton kernels run in the interpreter (tests), the KV budget is a share of
-  the host's RAM, steps run in turn (the forward needs every core), gloo all-reduces.
+  Linux gives it no huge pages), matmul weights are packed for tokenmill's CPU kernels
+  (kernels/cpu/; oneDNN's layout where they are not in use), the torch path's decode
+  attention runs in groups sized to the L2 caches, Triton kernels run in the interpreter
+  (tests), the KV budget is a share of the host's RAM, steps run in turn (the forward needs
+  every core), gloo all-reduces.
 - CUDA: one device per local rank, steps overlap (the forward leaves the host free), decode
   CUDA graphs, pinned staging of a step's inputs (worker/staging.py), the KV budget is what a
   profiled step leaves of the GPU, nccl all-reduces.

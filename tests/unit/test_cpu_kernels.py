@@ -63,7 +63,7 @@ def test_linear_equals_the_reference(isa, dtype, n, k, with_bias) -> None:
     bias = torch.randn(n).to(dtype) if with_bias else None
     packed = cpu_linear.pack_weight(weight)
     assert packed is not None and torch.equal(cpu_linear.unpack_weight(packed), weight)
-    for m in (1, 2, 3, 4, 17, 256, 300):  # decode rows, odd counts, one and two row blocks
+    for m in (1, 2, 3, 4, 17, 48, 256, 300):  # decode rows, odd counts, one and two row blocks
         x = torch.randn(m, k).to(dtype)
         want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         got = cpu_linear.linear(x, packed, bias)
@@ -75,8 +75,9 @@ def test_linear_equals_the_reference(isa, dtype, n, k, with_bias) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("inter, k", [(1536, 576), (64, 130)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_silu_mul_is_silu_and_mul_of_linear_bit_for_bit(isa, dtype, inter, k,
-                                                               with_bias) -> None:
+def test_linear_silu_mul_is_silu_and_mul_of_linear_bit_for_bit(
+    isa, dtype, inter, k, with_bias
+) -> None:
     from tokenmill.kernels.cpu.layers import silu_and_mul
 
     torch.manual_seed(inter + k)
@@ -84,7 +85,7 @@ def test_linear_silu_mul_is_silu_and_mul_of_linear_bit_for_bit(isa, dtype, inter
     bias = torch.randn(2 * inter).to(dtype) if with_bias else None
     packed = cpu_linear.pack_weight(weight)
     assert cpu_linear.fuses_silu_mul(packed)
-    for m in (1, 2, 4, 5, 17, 256, 300):  # the few-row loop, padded tails, two row blocks
+    for m in (1, 2, 4, 5, 17, 48, 256, 300):  # the few-row loop, padded tails, two row blocks
         x = torch.randn(m, k).to(dtype)
         got = cpu_linear.linear_silu_mul(x, packed, bias)
         want = silu_and_mul(cpu_linear.linear(x, packed, bias))

@@ -94,12 +94,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if gate_up.weight.dim() > 2 and gate_up.weight.dtype == x.dtype:
+        weight = gate_up.weight
+        if self.act_fn.kind == "cpu" and weight.dim() > 2 and weight.dtype == x.dtype:
             # Packed for tokenmill's CPU kernels (not widened to fp32 for this CPU).
             from tokenmill.kernels.cpu.linear import fuses_silu_mul, linear_silu_mul
 
-            if fuses_silu_mul(gate_up.weight):  # one pass, no [.., 2 * inter] product
-                return self.down_proj(linear_silu_mul(x, gate_up.weight, gate_up.bias))
+            if fuses_silu_mul(weight):  # one pass, no [.., 2 * inter] product
+                return self.down_proj(linear_silu_mul(x, weight, gate_up.bias))
         return self.down_proj(self.act_fn(gate_up(x)))
 
 
