@@ -187,6 +187,7 @@ async def main_async(args) -> None:
             max_num_seqs=max(args.concurrency),
             speculative_config=speculative_config(args, method),
             load_format=args.load_format,
+            dtype=args.dtype,
         )
         warm = SamplingParams(temperature=0, max_tokens=8)
         async for _ in engine.generate({"prompt_token_ids": grounded[0]}, warm, f"warm-{method}"):
@@ -212,8 +213,8 @@ async def main_async(args) -> None:
 def print_table(args, results) -> None:
     print()
     print(f"n-gram: k = {args.k}, lookup {args.lookup_min}-{args.lookup_max}; draft: "
-          f"{args.draft}, k = {args.draft_k}; governor {args.auto_disable}; best of "
-          f"{args.rounds} round(s) by tok/s")  # fmt: skip
+          f"{args.draft}, k = {args.draft_k}; governor {args.auto_disable}; dtype {args.dtype}; "
+          f"best of {args.rounds} round(s) by tok/s")  # fmt: skip
     header = "| workload | concurrency | method | output tok/s | vs off | TPOT ms | acceptance |"
     print(header)
     print("|" + "---|" * 7)
@@ -250,6 +251,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights (a config folder; W1-cpu only)")  # fmt: skip
+    parser.add_argument("--dtype", default="auto",
+                        help="the engines' dtype (auto: bf16 where the CPU has bf16)")  # fmt: skip
     parser.add_argument("--auto-disable", choices=["on", "off"], default="on",
                         help="speculative_config.auto_disable: the governor")  # fmt: skip
     asyncio.run(main_async(parser.parse_args()))
