@@ -290,6 +290,8 @@ at::Tensor linear_silu_mul(const at::Tensor& x_in, const at::Tensor& packed,
     std::vector<float> scratch(kBlockM * bn);
     std::vector<at::BFloat16> both16(p.vnni ? kBlockM * 2 * bn : 0);
     std::vector<float> both32(p.vnni ? 0 : kBlockM * 2 * bn);
+    std::vector<at::BFloat16> act16(p.vnni ? kBlockM * bn : 0);
+    std::vector<float> act32(p.vnni ? 0 : kBlockM * bn);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t j = task % half, m0 = (task / half) * kBlockM;
       const int64_t rows = std::min(kBlockM, p.m - m0);
@@ -301,16 +303,20 @@ at::Tensor linear_silu_mul(const at::Tensor& x_in, const at::Tensor& packed,
           p.block(m0, j, both16.data(), 2 * bn, false, scratch.data());
           p.block(m0, half + j, both16.data() + bn, 2 * bn, false, scratch.data());
         }
+        // All the task's rows in one call (one call per row cost as much as the SiLU), then
+        // out to their places.
+        silu_and_mul_rows(both16.data(), act16.data(), rows, bn);
         auto* out = y.data_ptr<at::BFloat16>() + m0 * n + j * bn;
         for (int64_t r = 0; r < rows; ++r) {
-          silu_and_mul_rows(both16.data() + r * 2 * bn, out + r * n, 1, bn);
+          std::memcpy(out + r * n, act16.data() + r * bn, bn * sizeof(at::BFloat16));
         }
       } else {
         p.block(m0, j, both32.data(), 2 * bn, false, scratch.data());
         p.block(m0, half + j, both32.data() + bn, 2 * bn, false, scratch.data());
+        silu_and_mul_rows(both32.data(), act32.data(), rows, bn);
         float* out = y.data_ptr<float>() + m0 * n + j * bn;
         for (int64_t r = 0; r < rows; ++r) {
-          silu_and_mul_rows(both32.data() + r * 2 * bn, out + r * n, 1, bn);
+          std::memcpy(out + r * n, act32.data() + r * bn, bn * sizeof(float));
         }
       }
     }
