@@ -78,6 +78,9 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     # other work shares the cores and tries its full count again every 10 s
     # (worker/cpu_threads.py).
     "TOKENMILL_CPU_THREAD_GOVERNOR": _bool("TOKENMILL_CPU_THREAD_GOVERNOR", True),
+    # 0 runs a decode step's Llama layers one op at a time from Python, as the other steps;
+    # by default they run as one call of the CPU kernels (worker/models/cpu_decode.py).
+    "TOKENMILL_CPU_DECODE_LOOP": _bool("TOKENMILL_CPU_DECODE_LOOP", True),
     # Ray: the logical CPUs each worker actor (and each data-parallel engine-core actor)
     # reserves; Ray also sets the actor's thread count (OMP_NUM_THREADS) to it.
     "TOKENMILL_RAY_WORKER_CPUS": _float("TOKENMILL_RAY_WORKER_CPUS", 1.0),

@@ -51,3 +51,40 @@ def test_kernels_and_the_torch_path_give_the_same_greedy_tokens(smollm2_path, mo
     finally:
         cpu.limit_isa(3)
     assert_same_greedy_tokens(avx2, torch_path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_steps_as_one_call_give_the_layer_by_layer_results_bit_for_bit(
+    smollm2_path, monkeypatch, dtype
+):
+    """A decode step's layers as one call of the kernels (worker/models/cpu_decode.py) run the
+    same kernels in the same order: the same tokens and log-probabilities, exactly."""
+    if not cpu.load(envs.TOKENMILL_CACHE):
+        pytest.skip("the CPU kernels cannot be built here")
+
+    def run() -> tuple[list, bool]:
+        llm = LLM(smollm2_path, dtype=dtype, multiprocess=False, max_model_len=512,
+                  kv_cache_memory_bytes=64 << 20)  # fmt: skip
+        try:
+            prompts = smollm2_prompts(llm.get_tokenizer())
+            params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)  # fmt: skip
+            model = llm.llm_engine.client.engine_core.executor.worker.model_runner.model
+            planned = model.model.decode_loop._plan is not None
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], planned
+        finally:
+            llm.shutdown()
+
+    looped, planned = run()
+    assert planned  # SmolLM2's layers run as one call
+    monkeypatch.setenv("TOKENMILL_CPU_DECODE_LOOP", "0")
+    layered, planned = run()
+    assert not planned
+    assert len(looped) == len(layered) > 1
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(looped, layered):
+        assert tokens == want_tokens
+        for got, want in zip(logprobs, want_logprobs):
+            assert {t: lp.logprob for t, lp in got.items()} == {
+                t: lp.logprob for t, lp in want.items()
+            }

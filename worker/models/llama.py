@@ -28,6 +28,7 @@ from tokenmill.worker.layers.linear import (
     RowParallelLinear,
 )
 from tokenmill.worker.layers.rotary import RotaryEmbedding, StepRotation
+from tokenmill.worker.models.cpu_decode import DecodeLoop
 
 
 class LlamaAttention(nn.Module):
@@ -155,6 +156,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.decode_loop = DecodeLoop()
         # One table for every layer: all layers rotate by the same positions.
         self.rotary_emb = RotaryEmbedding(
             config.head_size, config.max_position_embeddings, config.rope_parameters
@@ -163,9 +165,14 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.prepare(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual)
+        # On the CPU kernels a decode step's layers run as one call (worker/models/cpu_decode.py).
+        done = self.decode_loop.run(self.layers, x, rope) if x.device.type == "cpu" else None
+        if done is not None:
+            x, residual = done
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
         return x
 

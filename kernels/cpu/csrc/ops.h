@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <tuple>
+
 namespace tokenmill {
 
 // What this CPU runs (isa.cpp): 3 AMX (bf16 tiles), 2 AVX-512 with bf16 dot products,
@@ -49,5 +51,14 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
                        const at::Tensor& block_table, const at::Tensor& query_start,
                        const at::Tensor& seq_lens, double scale, int64_t window,
                        double softcap);
+
+// decode_layers.cpp: a decode step's Llama decoder layers in one call, from the embeddings to
+// the last layer's (hidden, residual).
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden, at::TensorList weights, at::TensorList kv_caches,
+    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    int64_t num_heads,
+    int64_t num_kv_heads, double scale, double eps, at::IntArrayRef windows);
 
 }  // namespace tokenmill

@@ -18,6 +18,11 @@ TORCH_LIBRARY(tokenmill, m) {
       "decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "float scale, int window, float softcap) -> Tensor");
   m.def(
+      "decode_layers(Tensor hidden, Tensor[] weights, Tensor[] kv_caches, "
+      "Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_table, "
+      "Tensor seq_lens, int num_heads, int num_kv_heads, float scale, float eps, "
+      "int[] windows) -> (Tensor, Tensor)");
+  m.def(
       "prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
       "Tensor query_start, Tensor seq_lens, float scale, int window, float softcap) -> ()");
 }
@@ -32,6 +37,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("kv_cache_write", &tokenmill::kv_cache_write);
   m.impl("decode_attention", &tokenmill::decode_attention);
   m.impl("prefill_attention", &tokenmill::prefill_attention);
+  m.impl("decode_layers", &tokenmill::decode_layers);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CompositeExplicitAutograd, m) {

@@ -1,0 +1,121 @@
+"""A decode step's Llama decoder layers as one call of tokenmill's CPU kernels
+(`torch.ops.tokenmill.decode_layers`, kernels/cpu/csrc/decode_layers.cpp): the CPU's
+counterpart of a captured CUDA graph.
+
+At one request a layer's dozen ops cost as much in Python and dispatch as in arithmetic (SmolLM2
+in bf16 on 2 cores: about 2.5 of a step's 13 ms). The call runs the same kernels the layers
+call, in the same order, so its results are theirs bit for bit. It takes the steps whose every
+request decodes one token, on models whose layers are plain Llama ones on the kernels (packed
+weights, no biases, no per-head norms, no soft-caps, one rank, CPU_ATTN); anything else, and
+TOKENMILL_CPU_DECODE_LOOP=0, runs layer by layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.protocol import envs
+
+
+@dataclass
+class DecodePlan:
+    weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post-attention norm, gate/up, down
+    caches: list[torch.Tensor]
+    windows: list[int]
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    eps: float
+
+
+def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
+    """The plan for these layers, or None where one of them cannot run in the call."""
+    from tokenmill.kernels.cpu.linear import fuses_silu_mul
+    from tokenmill.worker.attention.cpu_backend import CpuAttentionBackend
+    from tokenmill.worker.models.llama import LlamaDecoderLayer, LlamaMLP
+    from tokenmill.worker.parallel_state import get_tp_size
+
+    if not envs.TOKENMILL_CPU_DECODE_LOOP or get_tp_size() != 1 or not len(layers):
+        return None
+    weights, caches, windows, shapes = [], [], [], set()
+    for layer in layers:
+        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+            return None
+        attention, mlp = layer.self_attn, layer.mlp
+        attn = attention.attn
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (
+            attention.q_norm is not None
+            or attn.logit_softcap is not None
+            or not isinstance(attn.backend, CpuAttentionBackend)
+            or attn.kv_cache.dim() != 5
+            or mlp.act_fn.kind != "cpu"
+            or any(n.kind != "cpu" or n.weight.dtype != dtype for n in norms)
+            or any(getattr(p, "bias", None) is not None for p in projections)
+            or any(p.weight.dim() < 3 or p.weight.dtype != dtype for p in projections)
+            or not fuses_silu_mul(mlp.gate_up_proj.weight)
+        ):
+            return None
+        weights += [norms[0].weight, projections[0].weight, projections[1].weight,
+                    norms[1].weight, projections[2].weight, projections[3].weight]  # fmt: skip
+        caches.append(attn.kv_cache)
+        windows.append(attn.sliding_window or 0)
+        shapes.add((attention.num_heads, attention.num_kv_heads, attn.scale, norms[0].eps,
+                    norms[1].eps))  # fmt: skip
+    if len(shapes) != 1:
+        return None
+    num_heads, num_kv_heads, scale, eps, post_eps = shapes.pop()
+    if eps != post_eps:
+        return None
+    return DecodePlan(weights, caches, windows, num_heads, num_kv_heads, scale, eps)
+
+
+def run_decode(
+    plan: DecodePlan, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, metadata,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The layers' (hidden, residual) for this decode step's embeddings x."""
+    return torch.ops.tokenmill.decode_layers(
+        x, plan.weights, plan.caches, positions, cos, sin, metadata.slots,
+        metadata.block_table, metadata.seq_lens, plan.num_heads, plan.num_kv_heads,
+        plan.scale, plan.eps, plan.windows,
+    )  # fmt: skip
+
+
+class DecodeLoop:
+    """Holds a model's plan (remade when its KV caches are) and says, step by step, whether
+    the call takes the step."""
+
+    def __init__(self) -> None:
+        self._key: torch.Tensor | None = None  # the first layer's cache the plan was made for
+        self._plan: DecodePlan | None = None
+
+    def run(
+        self, layers: nn.ModuleList, x: torch.Tensor, rope
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) of the layers for this step, or None where it runs layer by
+        layer."""
+        from tokenmill.worker.attention.cpu_backend import CpuAttentionMetadata
+        from tokenmill.worker.forward_context import get_forward_context
+        from tokenmill.worker.layers.rotary import CpuRotation
+
+        if not isinstance(rope, CpuRotation) or x.dim() != 2:
+            return None
+        metadata = get_forward_context().attn_metadata
+        if (
+            not isinstance(metadata, CpuAttentionMetadata)
+            or metadata.profile_prefills is not None
+            or metadata.prefill_lens.shape[0]
+            or metadata.seq_lens.shape[0] != x.shape[0]
+        ):
+            return None
+        cache = layers[0].self_attn.attn.kv_cache if len(layers) else None
+        if cache is not self._key:
+            self._key, self._plan = cache, plan_decode(layers, x.dtype)
+        if self._plan is None:
+            return None
+        return run_decode(self._plan, x, rope.positions, rope.cos, rope.sin, metadata)
