@@ -53,31 +53,41 @@ def test_kernels_and_the_torch_path_give_the_same_greedy_tokens(smollm2_path, mo
     assert_same_greedy_tokens(avx2, torch_path)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "model, dtype",
+    [("smollm2", "bfloat16"), ("smollm2", "float32"), ("qwen2", "bfloat16"),
+     ("mistral-window", "bfloat16")],
+)  # fmt: skip
 def test_decode_steps_as_one_call_give_the_layer_by_layer_results_bit_for_bit(
-    smollm2_path, monkeypatch, dtype
+    smollm2_path, tiny_model, monkeypatch, model, dtype
 ):
     """A decode step's layers as one call of the kernels (worker/models/cpu_decode.py) run the
-    same kernels in the same order: the same tokens and log-probabilities, exactly."""
+    same kernels in the same order: the same tokens and log-probabilities, exactly. SmolLM2 in
+    both dtypes, Qwen2's q/k/v biases, Mistral's sliding window (random small models)."""
     if not cpu.load(envs.TOKENMILL_CACHE):
         pytest.skip("the CPU kernels cannot be built here")
+    path = smollm2_path if model == "smollm2" else str(tiny_model(model))
 
     def run() -> tuple[list, bool]:
-        llm = LLM(smollm2_path, dtype=dtype, multiprocess=False, max_model_len=512,
-                  kv_cache_memory_bytes=64 << 20)  # fmt: skip
+        llm = LLM(path, dtype=dtype, multiprocess=False, max_model_len=512,
+                  kv_cache_memory_bytes=64 << 20,
+                  skip_tokenizer_init=model != "smollm2")  # fmt: skip
         try:
-            prompts = smollm2_prompts(llm.get_tokenizer())
+            if model == "smollm2":
+                prompts = smollm2_prompts(llm.get_tokenizer())
+            else:  # token ids: long enough to pass Mistral's window while decoding
+                prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(20 + 9 * i)] for i in range(4)]
             params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)  # fmt: skip
-            model = llm.llm_engine.client.engine_core.executor.worker.model_runner.model
-            planned = model.model.decode_loop._plan is not None
+            runner = llm.llm_engine.client.engine_core.executor.worker.model_runner
+            planned = runner.model.model.decode_loop._plan is not None
             return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], planned
         finally:
             llm.shutdown()
 
     looped, planned = run()
-    assert planned  # SmolLM2's layers run as one call
+    assert planned  # these models' layers run as one call
     monkeypatch.setenv("TOKENMILL_CPU_DECODE_LOOP", "0")
     layered, planned = run()
     assert not planned

@@ -5,9 +5,9 @@ counterpart of a captured CUDA graph.
 At one request a layer's dozen ops cost as much in Python and dispatch as in arithmetic (SmolLM2
 in bf16 on 2 cores: about 2.5 of a step's 13 ms). The call runs the same kernels the layers
 call, in the same order, so its results are theirs bit for bit. It takes the steps whose every
-request decodes one token, on models whose layers are plain Llama ones on the kernels (packed
-weights, no biases, no per-head norms, no soft-caps, one rank, CPU_ATTN); anything else, and
-TOKENMILL_CPU_DECODE_LOOP=0, runs layer by layer.
+request decodes one token, on models whose layers are Llama ones on the kernels (packed
+weights, biases or none as Qwen2's, no per-head norms, no soft-caps, one rank, CPU_ATTN);
+anything else, and TOKENMILL_CPU_DECODE_LOOP=0, runs layer by layer.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tokenmill.protocol import envs
 @dataclass
 class DecodePlan:
     weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post-attention norm, gate/up, down
+    biases: list[torch.Tensor | None]  # per layer: qkv, o, gate/up, down
     caches: list[torch.Tensor]
     windows: list[int]
     num_heads: int
@@ -40,7 +41,7 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
 
     if not envs.TOKENMILL_CPU_DECODE_LOOP or get_tp_size() != 1 or not len(layers):
         return None
-    weights, caches, windows, shapes = [], [], [], set()
+    weights, biases, caches, windows, shapes = [], [], [], [], set()
     for layer in layers:
         if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
             return None
@@ -55,13 +56,13 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
             or attn.kv_cache.dim() != 5
             or mlp.act_fn.kind != "cpu"
             or any(n.kind != "cpu" or n.weight.dtype != dtype for n in norms)
-            or any(getattr(p, "bias", None) is not None for p in projections)
             or any(p.weight.dim() < 3 or p.weight.dtype != dtype for p in projections)
             or not fuses_silu_mul(mlp.gate_up_proj.weight)
         ):
             return None
         weights += [norms[0].weight, projections[0].weight, projections[1].weight,
                     norms[1].weight, projections[2].weight, projections[3].weight]  # fmt: skip
+        biases += [getattr(p, "bias", None) for p in projections]
         caches.append(attn.kv_cache)
         windows.append(attn.sliding_window or 0)
         shapes.add((attention.num_heads, attention.num_kv_heads, attn.scale, norms[0].eps,
@@ -71,7 +72,7 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
     num_heads, num_kv_heads, scale, eps, post_eps = shapes.pop()
     if eps != post_eps:
         return None
-    return DecodePlan(weights, caches, windows, num_heads, num_kv_heads, scale, eps)
+    return DecodePlan(weights, biases, caches, windows, num_heads, num_kv_heads, scale, eps)
 
 
 def run_decode(
@@ -80,7 +81,7 @@ def run_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The layers' (hidden, residual) for this decode step's embeddings x."""
     return torch.ops.tokenmill.decode_layers(
-        x, plan.weights, plan.caches, positions, cos, sin, metadata.slots,
+        x, plan.weights, plan.biases, plan.caches, positions, cos, sin, metadata.slots,
         metadata.block_table, metadata.seq_lens, plan.num_heads, plan.num_kv_heads,
         plan.scale, plan.eps, plan.windows,
     )  # fmt: skip

@@ -1,6 +1,7 @@
 // Declarations of tokenmill's CPU ops (registered in registration.cpp).
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
@@ -55,7 +56,8 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
 // decode_layers.cpp: a decode step's Llama decoder layers in one call, from the embeddings to
 // the last layer's (hidden, residual).
 std::tuple<at::Tensor, at::Tensor> decode_layers(
-    const at::Tensor& hidden, at::TensorList weights, at::TensorList kv_caches,
+    const at::Tensor& hidden, at::TensorList weights,
+    const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList kv_caches,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_lens,
     int64_t num_heads,

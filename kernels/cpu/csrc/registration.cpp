@@ -18,7 +18,7 @@ TORCH_LIBRARY(tokenmill, m) {
       "decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "float scale, int window, float softcap) -> Tensor");
   m.def(
-      "decode_layers(Tensor hidden, Tensor[] weights, Tensor[] kv_caches, "
+      "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, Tensor[] kv_caches, "
       "Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_table, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, float scale, float eps, "
       "int[] windows) -> (Tensor, Tensor)");
