@@ -104,7 +104,7 @@ class DecodeLoop:
         from tokenmill.worker.forward_context import get_forward_context
         from tokenmill.worker.layers.rotary import CpuRotation
 
-        if not isinstance(rope, CpuRotation) or x.dim() != 2:
+        if type(rope) is not CpuRotation or x.dim() != 2:
             return None
         metadata = get_forward_context().attn_metadata
         if (
