@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tokenmill.kernels.cpu.linear import fuses_silu_mul, linear_silu_mul
 from tokenmill.protocol.config import ModelConfig
 from tokenmill.worker.attention.base import AttentionBackend
 from tokenmill.worker.layers.activation import SiluAndMul
@@ -96,12 +97,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
         weight = gate_up.weight
-        if self.act_fn.kind == "cpu" and weight.dim() > 2 and weight.dtype == x.dtype:
-            # Packed for tokenmill's CPU kernels (not widened to fp32 for this CPU).
-            from tokenmill.kernels.cpu.linear import fuses_silu_mul, linear_silu_mul
-
-            if fuses_silu_mul(weight):  # one pass, no [.., 2 * inter] product
-                return self.down_proj(linear_silu_mul(x, weight, gate_up.bias))
+        # Packed for tokenmill's CPU kernels (and not widened to fp32 for this CPU): one
+        # pass, no [.., 2 * inter] product.
+        if self.act_fn.kind == "cpu" and weight.dtype == x.dtype and fuses_silu_mul(weight):
+            return self.down_proj(linear_silu_mul(x, weight, gate_up.bias))
         return self.down_proj(self.act_fn(gate_up(x)))
 
 

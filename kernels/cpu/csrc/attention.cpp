@@ -200,7 +200,7 @@ TOKENMILL_AVX512_INLINE void chunk_values(const T* values, int64_t row, int64_t 
   }
 }
 
-TOKENMILL_AVX512_INLINE void prefetch_rows(const void* p, int64_t bytes) {
+inline void prefetch_rows(const void* p, int64_t bytes) {  // SSE: any x86-64 build
   const char* c = static_cast<const char*>(p);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
 }
@@ -226,24 +226,30 @@ TOKENMILL_AVX512_INLINE void attend_heads_avx512_impl(
   alignas(64) float weights[kMaxGroup][16];
   // Each query head's sum of weights, 16 lanes wide (added across lanes at the end).
   std::vector<float> weight_sums(kv_heads * group * 16, 0.f);
-  for (int64_t pos = first; pos < last;) {
+  // The chunk at position pos: its keys (values block_size rows further) and its length.
+  const auto chunk = [&](int64_t pos, int64_t& n) {
     const int64_t block = pos / block_size, offset = pos - block * block_size;
-    const int64_t n = std::min({int64_t(16), block_size - offset, last - pos});
-    const T* keys = cache + blocks[block] * block_stride + offset * row;
+    n = std::min({int64_t(16), block_size - offset, last - pos});
+    return cache + blocks[block] * block_stride + offset * row;
+  };
+  // Each block lies elsewhere: the prefetchers cannot guess the next. The chunk after the next
+  // one is requested as a chunk starts (the first chunk also requests the next).
+  const auto prefetch = [&](int64_t pos) {
+    int64_t n;
+    const T* k = chunk(pos, n);
+    prefetch_rows(k, n * row * int64_t(sizeof(T)));
+    prefetch_rows(k + block_size * row, n * row * int64_t(sizeof(T)));
+  };
+  for (int64_t pos = first; pos < last;) {
+    int64_t n;
+    const T* keys = chunk(pos, n);
     const T* values = keys + block_size * row;
     const int64_t next = pos + n;
-    // Each block lies elsewhere: the prefetchers cannot guess the next. The chunk after the
-    // next one is requested now (from the second chunk on; the first two before the loop).
-    int64_t at = next;
-    for (int64_t ahead = 1; ahead <= 2 && at < last; ++ahead) {
-      const int64_t b = at / block_size, o = at - b * block_size;
-      const int64_t c = std::min({int64_t(16), block_size - o, last - at});
-      if (ahead == 2 || pos == first) {
-        const T* k = cache + blocks[b] * block_stride + o * row;
-        prefetch_rows(k, c * row * int64_t(sizeof(T)));
-        prefetch_rows(k + block_size * row, c * row * int64_t(sizeof(T)));
-      }
-      at += c;
+    if (next < last) {
+      int64_t next_n;
+      chunk(next, next_n);
+      if (pos == first) prefetch(next);
+      if (next + next_n < last) prefetch(next + next_n);
     }
     const __mmask16 valid = avx512::first(n);
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -281,8 +287,7 @@ TOKENMILL_AVX512_INLINE void attend_heads_avx512_impl(
         float* ws = weight_sums.data() + (h * group + g) * 16;
         _mm512_storeu_ps(ws, _mm512_add_ps(_mm512_loadu_ps(ws), w));
       }
-      // Values: each 16 columns of the group's sums stay in registers across the chunk.
-      // Compiled for the common group sizes, so that the group's sums stay in registers.
+      // Values, compiled for the common group sizes (the group's sums stay in registers).
       const T* v_h = values + h * d;
       switch (group) {
         case 1: chunk_values<T, D, 1>(v_h, row, n, 1, d, weights, acc_h); break;
@@ -432,7 +437,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                 " has length ", len[b], " for ", width, " blocks of ", block_size);
   }
   // Queries scaled once, in fp32; on CPUs with bf16 dot products a bf16 query is used as it
-  // is (64 keys' scores by vdpbf16ps) and its scores scaled.
+  // is (its dots with the keys by vdpbf16ps) and its scores scaled.
   const bool avx512 = cpu_isa() >= 1;
   const bool pairs = kv_cache.scalar_type() == at::kBFloat16 && cpu_isa() >= 2 && d % 32 == 0;
   const at::Tensor q = pairs ? query.contiguous() : (query.to(at::kFloat) * scale).contiguous();
