@@ -28,11 +28,9 @@ TOKENMILL_INLINE void silu_mul_rows_impl(const T* x, T* out, int64_t rows, int64
   }
 }
 
-// On AVX-512 1 / (1 + exp(-g)) is a reciprocal estimate refined by one Newton step (within 2
-// fp32 places of the division), and bf16 rounds by the CPU's conversion where it has one.
+// On AVX-512 by avx512::silu_times; bf16 rounds by the CPU's conversion where it has one.
 template <typename T>
 TOKENMILL_AVX512_TARGET void silu_mul_rows_avx512(const T* x, T* out, int64_t rows, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
   const bool native = cpu_isa() >= 2;
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = x + r * 2 * n;
@@ -40,15 +38,9 @@ TOKENMILL_AVX512_TARGET void silu_mul_rows_avx512(const T* x, T* out, int64_t ro
     T* dst = out + r * n;
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = avx512::first(n - i);
-      const __m512 g = avx512::load(gate + i, m);
-      // exp(-g) capped at exp(88) (g below -88: a result within 1e-36 of zero, as the
-      // division's) so that the denominator stays finite for the Newton step.
-      const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.f));
-      const __m512 den = _mm512_add_ps(one, avx512::exp(neg));
-      __m512 inv = _mm512_rcp14_ps(den);
-      inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, two));
-      const __m512 s = avx512::round_to<T>(_mm512_mul_ps(g, inv), native);
-      avx512::store(dst + i, _mm512_mul_ps(s, avx512::load(up + i, m)), m, native);
+      const __m512 v =
+          avx512::silu_times<T>(avx512::load(gate + i, m), avx512::load(up + i, m), native);
+      avx512::store(dst + i, v, m, native);
     }
   }
 }

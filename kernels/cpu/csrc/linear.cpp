@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "simd.h"
 
 namespace tokenmill {
 namespace {
@@ -50,6 +51,29 @@ __attribute__((target("avx512f,avx512bf16,avx512vl"))) void store_bf16_avx512(
 
 void store_bf16_scalar(const float* c, const float* bias, at::BFloat16* out, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = at::BFloat16(c[j] + (bias != nullptr ? bias[j] : 0.f));
+}
+
+// linear_silu_mul's last step on CPUs with AVX512-BF16: rows of the gate's and the up's fp32
+// products (block_n wide) -> silu(gate) * up in bf16, each product first rounded to bf16 with
+// its bias as store_bf16_avx512 rounds it: silu_and_mul of linear's output, bit for bit.
+TOKENMILL_AVX512_TARGET void silu_mul_epilogue(const float* gate, const float* up,
+                                               const float* gate_bias, const float* up_bias,
+                                               int64_t rows, int64_t n, at::BFloat16* dst,
+                                               int64_t dst_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n; j += 16) {
+      __m512 g = _mm512_loadu_ps(gate + r * n + j), u = _mm512_loadu_ps(up + r * n + j);
+      if (gate_bias != nullptr) {
+        g = _mm512_add_ps(g, _mm512_loadu_ps(gate_bias + j));
+        u = _mm512_add_ps(u, _mm512_loadu_ps(up_bias + j));
+      }
+      g = avx512::widen(avx512::bf16_native(g));
+      u = avx512::widen(avx512::bf16_native(u));
+      const __m512 v = avx512::silu_times<at::BFloat16>(g, u, true);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * dst_stride + j),
+                          avx512::bf16_native(v));
+    }
+  }
 }
 
 // Products of a few rows (decode steps of a few requests) on CPUs with AVX512-BF16: the
@@ -177,11 +201,7 @@ struct Product {
     const int64_t rows_run = padded ? tail.size(0) : rows;
     const float* bias_n = bias != nullptr ? bias + nb * block_n : nullptr;
     if constexpr (std::is_same<T, at::BFloat16>::value) {
-      const auto* a =
-          padded ? tail.data_ptr<at::BFloat16>() : x.data_ptr<at::BFloat16>() + m0 * k;
-      const auto* b = packed.data_ptr<at::BFloat16>() + nb * k * block_n;
-      at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false, a, b,
-                                  scratch, true);
+      product_bf16(m0, nb, scratch);
       const bool avx512 = cpu_isa() >= 2;
       for (int64_t r = 0; r < rows; ++r) {
         const float* c = scratch + r * block_n;
@@ -213,6 +233,17 @@ struct Product {
         }
       }
     }
+  }
+
+  // bf16: rows [m0, m0 + kBlockM) of column block nb, in fp32 and without the bias, into
+  // scratch [kBlockM, block_n].
+  void product_bf16(int64_t m0, int64_t nb, float* scratch) const {
+    const bool padded = m0 == tail_m0 && tail.defined();
+    const int64_t rows_run = padded ? tail.size(0) : std::min(kBlockM, m - m0);
+    const auto* a = padded ? tail.data_ptr<at::BFloat16>() : x.data_ptr<at::BFloat16>() + m0 * k;
+    const auto* b = packed.data_ptr<at::BFloat16>() + nb * k * block_n;
+    at::native::cpublas::brgemm(rows_run, block_n, k, k, block_n, block_n, false, a, b, scratch,
+                                true);
   }
 
   // Column block nb of every row (gemv_rows()), bias added, into dst (row stride dst_stride).
@@ -286,16 +317,27 @@ at::Tensor linear_silu_mul(const at::Tensor& x_in, const at::Tensor& packed,
   if (p.m == 0) return y;
   const bool gemv = p.gemv_rows();
   const int64_t row_blocks = gemv ? 1 : p.row_blocks();
+  // Many rows on AVX512-BF16 (block_n a multiple of 16): the two products stay in fp32 and
+  // one pass makes the output from them (3 passes over the rows otherwise).
+  const bool epilogue = p.vnni && !gemv && cpu_isa() >= 2 && bn % 16 == 0;
   at::parallel_for(0, half * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(kBlockM * bn);
-    std::vector<at::BFloat16> both16(p.vnni ? kBlockM * 2 * bn : 0);
+    std::vector<float> scratch(kBlockM * bn * (epilogue ? 2 : 1));
+    std::vector<at::BFloat16> both16(p.vnni && !epilogue ? kBlockM * 2 * bn : 0);
     std::vector<float> both32(p.vnni ? 0 : kBlockM * 2 * bn);
-    std::vector<at::BFloat16> act16(p.vnni ? kBlockM * bn : 0);
+    std::vector<at::BFloat16> act16(p.vnni && !epilogue ? kBlockM * bn : 0);
     std::vector<float> act32(p.vnni ? 0 : kBlockM * bn);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t j = task % half, m0 = (task / half) * kBlockM;
       const int64_t rows = std::min(kBlockM, p.m - m0);
-      if (p.vnni) {
+      if (epilogue) {
+        float* up = scratch.data() + kBlockM * bn;
+        p.product_bf16(m0, j, scratch.data());
+        p.product_bf16(m0, half + j, up);
+        const float* bias_g = p.bias != nullptr ? p.bias + j * bn : nullptr;
+        const float* bias_u = p.bias != nullptr ? p.bias + (half + j) * bn : nullptr;
+        silu_mul_epilogue(scratch.data(), up, bias_g, bias_u, rows, bn,
+                          y.data_ptr<at::BFloat16>() + m0 * n + j * bn, n);
+      } else if (p.vnni) {
         if (gemv) {
           p.gemv(j, both16.data(), 2 * bn);
           p.gemv(half + j, both16.data() + bn, 2 * bn);

@@ -84,8 +84,9 @@ TOKENMILL_INLINE void softmax_chunk_impl(const float* scores, P* p, int64_t rows
   }
 }
 
-// The same by hand on AVX-512 (width a multiple of 16), 16 keys at a time, only over the
-// vectors holding keys a row sees. `native`: probabilities rounded to bf16 by the CPU's own
+// The same by hand on AVX-512 (width a multiple of 16, at most kKeyChunk): a row's vectors
+// that hold keys it sees stay in registers between the max and the exponentials, and only the
+// first and last of them are masked. `native`: probabilities rounded to bf16 by the CPU's own
 // conversion (AVX512-BF16; it flushes values below 2^-126 to zero, which a probability
 // rounded there loses nothing by).
 template <bool native, typename P>
@@ -94,7 +95,7 @@ TOKENMILL_AVX512_INLINE void softmax_chunk_body(const float* scores, P* p, int64
                                                 const int64_t* row_pos, int64_t window,
                                                 float scale, float softcap, float* row_max,
                                                 float* row_sum, float* acc, int64_t d) {
-  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  constexpr int kVectors = kKeyChunk / 16;
   const __m512 neg_inf = _mm512_set1_ps(kNegInf), vscale = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = scores + r * width;
@@ -102,48 +103,51 @@ TOKENMILL_AVX512_INLINE void softmax_chunk_body(const float* scores, P* p, int64
     const int64_t pos = row_pos[r];
     const int64_t hi = std::min<int64_t>(keys, pos - first_key + 1);
     const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - first_key) : 0;
-    // The vectors [v0, v1) hold the keys [lo, hi); the others are zero.
-    const int64_t v0 = hi > lo ? lo / 16 * 16 : 0, v1 = hi > lo ? round_up(hi, 16) : 0;
-    for (int64_t j = 0; j < v0; j += 16) avx512::store(pr + j, _mm512_setzero_ps());
-    for (int64_t j = v1; j < width; j += 16) avx512::store(pr + j, _mm512_setzero_ps());
-    alignas(64) float buf[kKeyChunk];
-    __m512 top = neg_inf;
-    const __m512 lo_v = _mm512_set1_ps(float(lo)), hi_v = _mm512_set1_ps(float(hi));
-    for (int64_t j = v0; j < v1; j += 16) {
-      const __m512 index = _mm512_add_ps(lane, _mm512_set1_ps(float(j)));
-      const __mmask16 seen = _mm512_cmp_ps_mask(index, lo_v, _CMP_GE_OQ) &
-                             _mm512_cmp_ps_mask(index, hi_v, _CMP_LT_OQ);
-      __m512 v = _mm512_mul_ps(avx512::load(s + j), vscale);
-      if (softcap > 0.f) {  // softcap * tanh(v / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
-        const __m512 e = avx512::exp(_mm512_mul_ps(v, _mm512_set1_ps(2.f / softcap)));
-        const __m512 t = _mm512_sub_ps(
-            _mm512_set1_ps(1.f),
-            _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
-        v = _mm512_mul_ps(t, _mm512_set1_ps(softcap));
-      }
-      v = _mm512_mask_mov_ps(neg_inf, seen, v);
-      _mm512_store_ps(buf + j, v);
-      top = _mm512_max_ps(top, v);
-    }
-    const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(top));
-    if (new_max == kNegInf) {  // nothing seen yet: the chunk adds nothing
-      for (int64_t j = v0; j < v1; j += 16) avx512::store(pr + j, _mm512_setzero_ps());
+    if (hi <= lo) {  // no key of the chunk: it adds nothing
+      for (int64_t j = 0; j < width; j += 16) avx512::store(pr + j, _mm512_setzero_ps());
       continue;
     }
+    // The vectors [v0, v0 + n) hold the keys [lo, hi); the others are zero.
+    const int64_t v0 = lo / 16 * 16, n = (round_up(hi, 16) - v0) / 16;
+    for (int64_t j = 0; j < v0; j += 16) avx512::store(pr + j, _mm512_setzero_ps());
+    for (int64_t j = v0 + 16 * n; j < width; j += 16) avx512::store(pr + j, _mm512_setzero_ps());
+    const __mmask16 first_mask = __mmask16(0xffffu << (lo - v0));
+    const __mmask16 last_mask = avx512::first(hi - (v0 + 16 * (n - 1)));
+    __m512 v[kVectors];
+    __m512 top = neg_inf;
+#pragma GCC unroll 8
+    for (int t = 0; t < kVectors; ++t) {
+      if (t >= n) break;
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + v0 + 16 * t), vscale);
+      if (softcap > 0.f) {  // softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        const __m512 e = avx512::exp(_mm512_mul_ps(x, _mm512_set1_ps(2.f / softcap)));
+        const __m512 th = _mm512_sub_ps(
+            _mm512_set1_ps(1.f),
+            _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+        x = _mm512_mul_ps(th, _mm512_set1_ps(softcap));
+      }
+      __mmask16 seen = t == 0 ? first_mask : __mmask16(0xffff);
+      if (t == n - 1) seen &= last_mask;
+      v[t] = _mm512_mask_mov_ps(neg_inf, seen, x);
+      top = _mm512_max_ps(top, v[t]);
+    }
+    const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(top));
     const float rescale = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - new_max);
     const __m512 vmax = _mm512_set1_ps(new_max);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = v0; j < v1; j += 16) {
-      const __m512 v = _mm512_load_ps(buf + j);
-      const __mmask16 seen = _mm512_cmp_ps_mask(v, neg_inf, _CMP_NEQ_OQ);
-      __m512 e = _mm512_maskz_mov_ps(seen, avx512::exp(_mm512_sub_ps(v, vmax)));
+#pragma GCC unroll 8
+    for (int t = 0; t < kVectors; ++t) {
+      if (t >= n) break;
+      // exp(-inf) is 0 here (the exponent's floor), masked to 0 exactly.
+      const __mmask16 seen = _mm512_cmp_ps_mask(v[t], neg_inf, _CMP_NEQ_OQ);
+      __m512 e = _mm512_maskz_mov_ps(seen, avx512::exp(_mm512_sub_ps(v[t], vmax)));
       if constexpr (native && std::is_same<P, at::BFloat16>::value) {
         const __m256i h = avx512::bf16_native(e);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), h);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + v0 + 16 * t), h);
         e = avx512::widen(h);
       } else {
         e = avx512::round_to<P>(e);
-        avx512::store(pr + j, e);
+        avx512::store(pr + v0 + 16 * t, e);
       }
       sum = _mm512_add_ps(sum, e);
     }
@@ -233,6 +237,72 @@ struct Pages {
   const T* value(int64_t pos) const { return key(pos) + block_size * row; }
 };
 
+// 16 rows of 16 32-bit words -> their transpose, in place (four rounds of shuffles).
+TOKENMILL_AVX512_INLINE void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4i + k], 128-bit lane l: rows 4i..4i+3 of column 4l + k.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
+  }
+}
+
+// pack_chunk's bf16 layouts on AVX-512 (d a multiple of 32): keys 16 at a time, their 32-bit
+// pairs of dims transposed in blocks of 16; values' pairs of keys by widening one row and
+// shifting the other into the high halves. Keys and values past `keys` are left to the caller.
+template <typename T>
+TOKENMILL_AVX512_TARGET void pack_bf16_avx512(const Pages<T>& pages, int64_t first,
+                                              int64_t keys, int64_t width, uint32_t* k32,
+                                              uint32_t* v32) {
+  const int64_t words = pages.d / 2;
+  int64_t j = 0;
+  for (; j + 16 <= keys; j += 16) {
+    const uint32_t* src[16];
+    for (int t = 0; t < 16; ++t) src[t] = reinterpret_cast<const uint32_t*>(pages.key(first + j + t));
+    for (int64_t c = 0; c < words; c += 16) {
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(src[t] + c);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(k32 + (c + i) * width + j, r[i]);
+    }
+  }
+  for (; j < keys; ++j) {
+    const auto* src = reinterpret_cast<const uint32_t*>(pages.key(first + j));
+    for (int64_t i = 0; i < words; ++i) k32[i * width + j] = src[i];
+  }
+  for (int64_t jj = 0; jj < keys; jj += 2) {
+    const auto* v0 = reinterpret_cast<const __m256i*>(pages.value(first + jj));
+    const __m256i* v1 =
+        jj + 1 < keys ? reinterpret_cast<const __m256i*>(pages.value(first + jj + 1)) : nullptr;
+    uint32_t* dst = v32 + (jj / 2) * pages.d;
+    for (int64_t i = 0; i < pages.d / 16; ++i) {
+      __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(v0 + i));
+      if (v1 != nullptr) {
+        w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(v1 + i)), 16));
+      }
+      _mm512_storeu_si512(dst + 16 * i, w);
+    }
+  }
+}
+
 // Keys [first, first + keys) packed as the scores GEMM's B ([d, width]: in pairs of d for the
 // bf16 microkernel, [d / 2, width, 2]) and values as the second GEMM's B ([width, d], pairs of
 // keys for bf16: [width / 2, d, 2]); columns and rows past `keys` are zero.
@@ -247,6 +317,10 @@ void pack_chunk(const Pages<T>& pages, int64_t first, int64_t keys, int64_t widt
     // of 32-bit words; a value's pairs of keys interleave two rows.
     TORCH_CHECK(vnni, "prefill_attention: bf16 products in bf16 take the paired layout");
     auto* k32 = reinterpret_cast<uint32_t*>(kp);
+    if (cpu_isa() >= 1 && d % 32 == 0) {
+      pack_bf16_avx512(pages, first, keys, width, k32, reinterpret_cast<uint32_t*>(vp));
+      return;
+    }
     for (int64_t j = 0; j < keys; ++j) {
       const auto* src = reinterpret_cast<const uint32_t*>(pages.key(first + j));
       for (int64_t i = 0; i < d / 2; ++i) k32[i * width + j] = src[i];
