@@ -92,6 +92,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # How the checkpoint's weights are stored and run: None (as the dtype says) or "gguf"
+    # (llama.cpp's block formats, from the folder's model.gguf; worker/layers/quantization/).
+    quantization: str | None = None
     skip_tokenizer_init: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
     # Sampling defaults from the model's generation_config.json (--generation-config), used
@@ -414,6 +417,7 @@ class EngineArgs:
     data_parallel_routing: str = "prefix"
     data_parallel_prefix_margin: int = 32
     load_format: str = "auto"
+    quantization: str | None = None  # None: "gguf" for a GGUF model, else none
     device: str = "auto"
     attention_backend: str | None = None  # None: TRITON_ATTN on CUDA, TORCH_SDPA on the CPU
     enforce_eager: bool = False
@@ -667,7 +671,23 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
         skip_tokenizer_init=args.skip_tokenizer_init,
         max_logprobs=args.max_logprobs,
         sampling_defaults=sampling_defaults(args.generation_config, path),
+        quantization=_quantization(args.quantization, path),
     )
+
+
+# The checkpoint formats `quantization` takes (worker/layers/quantization/).
+QUANTIZATION_METHODS = ("gguf",)
+
+
+def _quantization(value: str | None, path: str) -> str | None:
+    """The checkpoint's format: "gguf" where the folder holds a GGUF file (the user may name
+    it); formats still to come are refused by name."""
+    gguf = (Path(path) / "model.gguf").exists()
+    _check(value is None or value in QUANTIZATION_METHODS, "quantization", value,
+           f"one of {list(QUANTIZATION_METHODS)} (awq, gptq and int8 are not built yet)")  # fmt: skip
+    _check(value != "gguf" or gguf, "quantization", value,
+           "a GGUF model (a .gguf file, or a folder made from one)")  # fmt: skip
+    return "gguf" if gguf else None
 
 
 # generation_config.json fields that become sampling defaults, by their SamplingParams name.
@@ -794,6 +814,8 @@ ENGINE_ARG_HELP = {
     "data_parallel_prefix_margin": "how much more loaded (waiting x 4 + running) than the least "
     "loaded rank a prefix-holding rank may be and still get the request",
     "load_format": "auto (the checkpoint) or dummy (random weights)",
+    "quantization": "how the checkpoint's weights are stored and run: gguf (automatic for a "
+    "GGUF model)",
     "device": "auto, cpu or cuda",
     "attention_backend": "TRITON_ATTN, CPU_ATTN or TORCH_SDPA (default by device)",
     "enforce_eager": "no CUDA graphs",

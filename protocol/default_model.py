@@ -12,6 +12,7 @@ CLI while building the config. Nothing here ever reaches a model hub.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -45,10 +46,61 @@ def resolve_model(model: str | None) -> str:
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return str(path.resolve())
+    gguf_files = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if path.suffix == ".gguf" and path.is_file():
+        return str(gguf_model_path(path))
+    if len(gguf_files) == 1:
+        return str(gguf_model_path(gguf_files[0]))
     raise ValueError(
-        f"model={model!r} is neither a local folder with a config.json nor the default model "
-        f"({DEFAULT_MODEL!r}); tokenmill never downloads from a model hub, so pass a local path."
+        f"model={model!r} is neither a local folder with a config.json, a GGUF file (or a "
+        f"folder holding one), nor the default model ({DEFAULT_MODEL!r}); tokenmill never "
+        "downloads from a model hub, so pass a local path."
     )
+
+
+def default_gguf_file() -> Path:
+    """The default model's GGUF file as its package ships it (Q4_1)."""
+    return _gguf_folder() / _GGUF_FILE
+
+
+def gguf_model_path(file: Path) -> Path:
+    """A folder for a GGUF file, made once in the cache: config.json, the tokenizer and
+    generation_config.json read from the file's metadata (by transformers, as vLLM does), and
+    `model.gguf`, a link to the file, whose tensors the worker loads as they are stored
+    (quantization="gguf")."""
+    file = file.resolve()
+    stat = file.stat()
+    key = hashlib.sha256(f"{file} {stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = envs.TOKENMILL_CACHE / "models" / f"gguf-{file.stem}-{key}"
+    if (target / "model.gguf").exists():
+        return target
+    from transformers import AutoConfig, AutoTokenizer
+
+    logger.info("Reading %s's configuration and tokenizer once into %s", file, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".gguf-", dir=target.parent))
+    try:
+        config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+        if not config.architectures:  # GGUF metadata names the family, not the class
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        config.save_pretrained(str(staging))
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        tokenizer.save_pretrained(str(staging))
+        if file == default_gguf_file():
+            generation = _GENERATION_CONFIG
+        else:
+            generation = {"bos_token_id": tokenizer.bos_token_id,
+                          "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        (staging / "model.gguf").symlink_to(file)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 # A draft for speculative decoding with the default model (no smaller model with its

@@ -179,6 +179,16 @@ def weight_stream_floor(model_path: str, dtype: str) -> tuple[float, float]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    gguf_file = Path(model_path) / "model.gguf"
+    if gguf_file.exists():  # a GGUF model runs its blocks as stored: their bytes
+        import gguf
+
+        tensors = gguf.GGUFReader(str(gguf_file)).tensors
+        tied = not any(t.name == "output.weight" for t in tensors)
+        weight_bytes = sum(
+            int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight"
+        )
+        return weight_bytes, _dram_read_rate()
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -187,13 +197,20 @@ def weight_stream_floor(model_path: str, dtype: str) -> tuple[float, float]:
     if embedding is not model.get_output_embeddings().weight:
         numel -= embedding.numel()  # read by the step's rows only
     weight_bytes = numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return weight_bytes, _dram_read_rate()
+
+
+def _dram_read_rate() -> float:
+    """Bytes/s of a sum over 1 GiB (all threads), best of 3."""
+    import torch
+
     data = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         data.sum()
         best = min(best, time.perf_counter() - start)
-    return weight_bytes, data.numel() * 4 / best
+    return data.numel() * 4 / best
 
 
 def cpu_name() -> str:

@@ -61,6 +61,11 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
         torch.set_default_dtype(previous)
     if config.load_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)
+    elif model_config.quantization == "gguf":
+        from tokenmill.worker.layers.quantization import gguf
+
+        load_weights(model, gguf.iter_gguf_weights(Path(model_config.model) / gguf.GGUF_FILE, model))
+        gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels())
     else:
         load_weights(model, _iter_safetensors(Path(model_config.model)))
     platform_of(device).prepare_model(model)

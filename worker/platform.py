@@ -156,7 +156,12 @@ class CpuPlatform(Platform):
         from tokenmill.worker.layers.embedding import ParallelLMHead
         from tokenmill.worker.layers.linear import LinearBase, pack_cpu_weights
 
-        matmuls = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+        # (Quantized layers have their own layout: worker/layers/quantization/.)
+        matmuls = [
+            m
+            for m in model.modules()
+            if isinstance(m, (LinearBase, ParallelLMHead)) and getattr(m, "qweight", None) is None
+        ]
         own = cpu_kernels_in_use()
         packed, widened = pack_cpu_weights(matmuls, own)
         if packed < len(matmuls):

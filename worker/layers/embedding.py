@@ -12,11 +12,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.protocol.utils import cdiv
-from tokenmill.worker.layers.linear import Loaded, matmul
+from tokenmill.worker.layers.linear import Loaded, gguf_matmul, load_rows, matmul
 from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
 class VocabParallelEmbedding(nn.Module):
+    # Set by GGUF's finalize (worker/layers/quantization/gguf.py): the table as the file's
+    # rows of blocks and their type (lookups de-quantize their rows), and, for an LM head,
+    # the weight in the CPU kernels' layout. The weight parameter is then empty.
+    gguf_rows: torch.Tensor | None = None
+    gguf_type: int | None = None
+    qweight = None
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -36,20 +43,35 @@ class VocabParallelEmbedding(nn.Module):
             )
         # The last rank's slice may run past the vocabulary: its padding rows stay zero.
         rows = max(min(self.vocab_per_rank, self.vocab_size - self.vocab_start), 0)
+        if getattr(loaded, "quantized", False):
+            param.data.zero_()
+            load_rows(param, loaded.narrow(0, self.vocab_start, rows))
+            return
         param.data.zero_()
         param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_rows is None:
+            return F.embedding(ids, self.weight)
+        from tokenmill.worker.layers.quantization.gguf import dequantize
+
+        rows = dequantize(self.gguf_rows[ids.reshape(-1)], self.gguf_type)
+        return rows.to(self.weight.dtype).view(*ids.shape, -1)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_per_rank)
-        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = self._lookup(local.masked_fill(outside, 0))
         y.masked_fill_(outside.unsqueeze(-1), 0.0)
         return tp_all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = tp_all_gather(matmul(hidden, self.weight), dim=-1)
+        if self.qweight is not None:
+            logits = tp_all_gather(gguf_matmul(hidden, self.qweight, None), dim=-1)
+        else:
+            logits = tp_all_gather(matmul(hidden, self.weight), dim=-1)
         return logits[..., : self.vocab_size]

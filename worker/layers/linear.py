@@ -90,7 +90,7 @@ def pack_cpu_weights(modules: list[nn.Module], own_kernels: bool = False) -> tup
         bf16_gemm = cpu_isa() >= 1  # oneDNN's microkernel runs bf16 on AVX-512 and up
     for module in modules:
         weight = module.weight
-        if weight.dim() > 2 or weight.is_mkldnn:
+        if getattr(module, "qweight", None) is not None or weight.dim() > 2 or weight.is_mkldnn:
             continue
         if weight.dtype not in (torch.float32, torch.bfloat16):
             continue
@@ -130,6 +130,29 @@ def default_weight_loader(param: torch.Tensor, loaded: Loaded) -> None:
     param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.load())
 
 
+def load_rows(param: nn.Parameter, loaded: Loaded, offset: int = 0) -> None:
+    """`loaded` into rows [offset, offset + its rows) of `param`; a quantized checkpoint
+    tensor (GGUF's blocks) is kept as the file holds it, for the quantization method to lay
+    out once all shards are in (worker/layers/quantization/)."""
+    if getattr(loaded, "quantized", False):
+        from tokenmill.worker.layers.quantization.gguf import record
+
+        record(param, loaded, offset)  # type: ignore[arg-type]
+        return
+    rows = loaded.shape[0]
+    whole = offset == 0 and rows == param.shape[0]
+    default_weight_loader(param.data if whole else param.data.narrow(0, offset, rows), loaded)
+
+
+def gguf_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ bias) on a GGUF weight in the CPU kernels' layout; fp16 runs in fp32."""
+    from tokenmill.kernels.cpu.gguf import gguf_linear
+
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        return gguf_linear(x.float(), qweight, bias).to(x.dtype)
+    return gguf_linear(x, qweight, bias)
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None) -> None:
         super().__init__()
@@ -142,6 +165,14 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        # A quantized weight in the kernels' layout (set by a quantization method's finalize;
+        # the weight parameter is then empty).
+        self.qweight = None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.qweight is not None:
+            return gguf_matmul(x, self.qweight, bias)
+        return matmul(x, self.weight, bias)
 
     def _shard(self, param: nn.Parameter, loaded: Loaded) -> Loaded:
         dim = self.tp_dim
@@ -151,7 +182,7 @@ class LinearBase(nn.Module):
         return loaded.narrow(dim, self.tp_rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded) -> None:
-        default_weight_loader(param, self._shard(param, loaded))
+        load_rows(param, self._shard(param, loaded))
 
 
 class ColumnParallelLinear(LinearBase):
@@ -160,7 +191,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, out_per_rank, bias, tp_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -178,8 +209,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
-        target = param.data.narrow(0, offset, size)
-        default_weight_loader(target, loaded.narrow(0, self.tp_rank * size, size))
+        load_rows(param, loaded.narrow(0, self.tp_rank * size, size), offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -213,8 +243,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, rank = kv_size, self.tp_rank // self.kv_replicas
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        target = param.data.narrow(0, offset, size)
-        default_weight_loader(target, loaded.narrow(0, rank * size, size))
+        load_rows(param, loaded.narrow(0, rank * size, size), offset)
 
 
 class ReplicatedLinear(LinearBase):
@@ -224,7 +253,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(in_features, out_features, bias, tp_dim=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class RowParallelLinear(LinearBase):
@@ -234,5 +263,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial sums of all ranks are reduced.
-        y = tp_all_reduce(matmul(x, self.weight))
+        y = tp_all_reduce(self._matmul(x, None))
         return y + self.bias if self.bias is not None else y

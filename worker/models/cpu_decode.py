@@ -6,7 +6,7 @@ At one request a layer's dozen ops cost as much in Python and dispatch as in ari
 in bf16 on 2 cores: about 2.5 of a step's 13 ms). The call runs the same kernels the layers
 call, in the same order, so its results are theirs bit for bit. It takes the steps whose every
 request decodes one token, on models whose layers are Llama ones on the kernels (packed
-weights, biases or none as Qwen2's, no per-head norms, no soft-caps, one rank, CPU_ATTN);
+or GGUF weights, biases or none as Qwen2's, no per-head norms, no soft-caps, one rank, CPU_ATTN);
 anything else, and TOKENMILL_CPU_DECODE_LOOP=0, runs layer by layer.
 """
 
@@ -30,6 +30,10 @@ class DecodePlan:
     num_kv_heads: int
     scale: float
     eps: float
+    # Per projection (qkv, o, gate/up, down): a GGUF weight's qs, d, m and its type (0: the
+    # packed weight in `weights`).
+    quant: list[torch.Tensor | None]
+    qtypes: list[int]
 
 
 def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
@@ -42,6 +46,8 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
     if not envs.TOKENMILL_CPU_DECODE_LOOP or get_tp_size() != 1 or not len(layers):
         return None
     weights, biases, caches, windows, shapes = [], [], [], [], set()
+    quant: list[torch.Tensor | None] = []
+    qtypes: list[int] = []
     for layer in layers:
         if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
             return None
@@ -56,12 +62,17 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
             or attn.kv_cache.dim() != 5
             or mlp.act_fn.kind != "cpu"
             or any(n.kind != "cpu" or n.weight.dtype != dtype for n in norms)
-            or any(p.weight.dim() < 3 or p.weight.dtype != dtype for p in projections)
-            or not fuses_silu_mul(mlp.gate_up_proj.weight)
+            or any(p.qweight is None and (p.weight.dim() < 3 or p.weight.dtype != dtype)
+                   for p in projections)  # fmt: skip
+            or (mlp.gate_up_proj.qweight is None and not fuses_silu_mul(mlp.gate_up_proj.weight))
         ):
             return None
         weights += [norms[0].weight, projections[0].weight, projections[1].weight,
                     norms[1].weight, projections[2].weight, projections[3].weight]  # fmt: skip
+        for p in projections:
+            q = p.qweight
+            quant += [None, None, None] if q is None else [q.qs, q.d, q.m]
+            qtypes.append(0 if q is None else q.qtype)
         biases += [getattr(p, "bias", None) for p in projections]
         caches.append(attn.kv_cache)
         windows.append(attn.sliding_window or 0)
@@ -72,7 +83,8 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
     num_heads, num_kv_heads, scale, eps, post_eps = shapes.pop()
     if eps != post_eps:
         return None
-    return DecodePlan(weights, biases, caches, windows, num_heads, num_kv_heads, scale, eps)
+    return DecodePlan(weights, biases, caches, windows, num_heads, num_kv_heads, scale, eps,
+                      quant, qtypes)  # fmt: skip
 
 
 def run_decode(
@@ -83,7 +95,7 @@ def run_decode(
     return torch.ops.tokenmill.decode_layers(
         x, plan.weights, plan.biases, plan.caches, positions, cos, sin, metadata.slots,
         metadata.block_table, metadata.seq_lens, plan.num_heads, plan.num_kv_heads,
-        plan.scale, plan.eps, plan.windows,
+        plan.scale, plan.eps, plan.windows, plan.quant, plan.qtypes,
     )  # fmt: skip
 
 

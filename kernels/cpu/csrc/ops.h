@@ -24,6 +24,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias);
 
+// gguf_linear.cpp: x @ W^T (+ bias) for a weight in a GGUF block format (Q4_0, Q4_1, Q8_0),
+// re-laid out by kernels/cpu/gguf.py into qs, d (and Q4_1's m).
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       const c10::optional<at::Tensor>& m, int64_t qtype,
+                       const c10::optional<at::Tensor>& bias);
+
 // rms_norm.cpp: RMSNorm of x (after residual += x, in place, when given).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const c10::optional<at::Tensor>& residual);
@@ -54,13 +60,14 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
                        double softcap);
 
 // decode_layers.cpp: a decode step's Llama decoder layers in one call, from the embeddings to
-// the last layer's (hidden, residual).
+// the last layer's (hidden, residual); projections with a qtype run on GGUF weights.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& hidden, at::TensorList weights,
     const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList kv_caches,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_lens,
     int64_t num_heads,
-    int64_t num_kv_heads, double scale, double eps, at::IntArrayRef windows);
+    int64_t num_kv_heads, double scale, double eps, at::IntArrayRef windows,
+    const c10::List<c10::optional<at::Tensor>>& quant, at::IntArrayRef qtypes);
 
 }  // namespace tokenmill

@@ -10,6 +10,7 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("pack_linear_weight(Tensor weight, int block_n) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("linear_silu_mul(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, int qtype, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
@@ -21,7 +22,7 @@ TORCH_LIBRARY(tokenmill, m) {
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, Tensor[] kv_caches, "
       "Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_table, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, float scale, float eps, "
-      "int[] windows) -> (Tensor, Tensor)");
+      "int[] windows, Tensor?[] quant, int[] qtypes) -> (Tensor, Tensor)");
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
       "Tensor query_start, Tensor seq_lens, float scale, int window, float softcap) -> ()");
@@ -31,6 +32,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("pack_linear_weight", &tokenmill::pack_linear_weight);
   m.impl("linear", &tokenmill::linear);
   m.impl("linear_silu_mul", &tokenmill::linear_silu_mul);
+  m.impl("gguf_linear", &tokenmill::gguf_linear);
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
   m.impl("rotary_embedding", &tokenmill::rotary_embedding);

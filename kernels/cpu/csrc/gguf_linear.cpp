@@ -1,0 +1,474 @@
+// gguf_linear: y = x @ W^T (+ bias) for a weight kept in a GGUF block format (Q4_0, Q4_1,
+// Q8_0: 32 weights of a row share an fp16 scale d, and Q4_1 an fp16 minimum m), re-laid out
+// once at load (kernels/cpu/gguf.py) into groups of 16 output columns:
+//   qs: [N / 16, K / 32, pairs, 32] bytes: per block of 32 k, per pair of k (2p, 2p + 1) a
+//       vector of 32 values, word j = column j / 2 at k 2p + j % 2 (the pairs of k side by
+//       side, as AVX512-BF16 dot products read them); Q4 packs pairs 2p' and 2p' + 1 into one
+//       32-byte row (low and high nibbles), Q8 one pair per row (int8);
+//   d, m: [N / 16, K / 32, 16] fp16, per column of the group.
+// A weight is w = d * (q - 8) (Q4_0), d * q + m (Q4_1), d * q (Q8_0), as GGUF defines it.
+//
+// Few rows (decodes) on AVX512-BF16: each block's values become exact bf16 integers in
+// registers (a table lookup for 4 bits, a conversion for 8) and meet the activations in dot
+// products with fp32 sums; a block's 16 column sums are then scaled by d (and Q4_1 adds m
+// times the block's sum of x): the 16 columns are the 16 lanes, so no horizontal sums. The
+// weight streams once at ~0.6 (Q4) or ~1.1 (Q8) bytes a weight instead of bf16's 2.
+// Many rows (prefills), or a CPU without AVX512-BF16: a block of 64 columns is de-quantized
+// into the layout `linear`'s microkernel reads (the weights' values rounded to x's dtype, as
+// de-quantizing the checkpoint would give them) and multiplied there, for every row.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+#include "vec.h"
+
+namespace tokenmill {
+namespace {
+
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML's type ids
+constexpr int64_t kGroup = 16;                    // output columns per group
+constexpr int64_t kBlockK = 32;                   // weights per scale
+constexpr int64_t kColumnBlock = 64;              // columns per task on the many-row path
+constexpr int64_t kRowBlock = 256;                // rows per microkernel call there
+constexpr int64_t kFewRows = 4;                   // rows up to which the dot-product loop runs
+
+// Bytes of qs per (group, block).
+int64_t group_block_bytes(int64_t qtype) { return qtype == kQ8_0 ? 16 * 32 : 8 * 32; }
+
+// The 4-bit value of column c at k = 2p + e (within its block) in a Q4 group block.
+inline int q4_value(const uint8_t* gb, int64_t p, int64_t c, int64_t e) {
+  const uint8_t byte = gb[(p / 2) * 32 + 2 * c + e];
+  return (p % 2 == 0) ? (byte & 0xF) : (byte >> 4);
+}
+
+// The weight of column c at k = 2p + e of a group block, as GGUF de-quantizes it in fp32.
+inline float weight_value(int64_t qtype, const uint8_t* gb, const c10::Half* d,
+                          const c10::Half* m, int64_t p, int64_t c, int64_t e) {
+  const float scale = static_cast<float>(d[c]);
+  if (qtype == kQ8_0) {
+    return scale * static_cast<float>(static_cast<int8_t>(gb[p * 32 + 2 * c + e]));
+  }
+  const int q = q4_value(gb, p, c, e);
+  if (qtype == kQ4_0) return scale * static_cast<float>(q - 8);
+  return scale * static_cast<float>(q) + static_cast<float>(m[c]);
+}
+
+struct Weight {
+  const uint8_t* qs;
+  const c10::Half* d;
+  const c10::Half* m;  // Q4_1 only
+  int64_t qtype, n, k, blocks;
+  const uint8_t* group_block(int64_t g, int64_t b) const {
+    return qs + (g * blocks + b) * group_block_bytes(qtype);
+  }
+  const c10::Half* scales(const c10::Half* s, int64_t g, int64_t b) const {
+    return s + (g * blocks + b) * kGroup;
+  }
+};
+
+// ---- few rows: dot products on AVX512-BF16 ----
+
+#define TOKENMILL_BF16_TARGET \
+  __attribute__((target("avx512f,avx512bf16,avx512vl,avx512bw,avx512dq,f16c,fma")))
+
+// Pairs 2pp and 2pp + 1 of a Q4 group block as bf16 integers (through `table`).
+TOKENMILL_BF16_TARGET inline void q4_pairs(const uint8_t* row, __m512i table, __m512i& v0,
+                                           __m512i& v1) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+  v0 = _mm512_permutexvar_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0xF)), table);
+  v1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+}
+
+// Pair p of a Q8 group block as bf16 integers (exact: |q| <= 128).
+TOKENMILL_BF16_TARGET inline __m512i q8_pair(const uint8_t* row) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// s[r][j] += pair j's products with row r's x at k0, k0 + 1 (x bf16: one dot product;
+// fp32: each pair's two halves as fp32, each times its k's x).
+template <int M, int GN, typename T>
+TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M][GN], const __m512i (&v)[GN],
+                                           const T* x, int64_t k, int64_t k0) {
+  if constexpr (std::is_same<T, at::BFloat16>::value) {
+    for (int r = 0; r < M; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * k + k0, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < GN; ++j) s[r][j] = _mm512_dpbf16_ps(s[r][j], (__m512bh)v[j], xv);
+    }
+  } else {
+    for (int j = 0; j < GN; ++j) {
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v[j], 16));
+      const __m512 odd =
+          _mm512_castsi512_ps(_mm512_and_si512(v[j], _mm512_set1_epi32(0xFFFF0000)));
+      for (int r = 0; r < M; ++r) {
+        s[r][j] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * k + k0]), s[r][j]);
+        s[r][j] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * k + k0 + 1]), s[r][j]);
+      }
+    }
+  }
+}
+
+// Rows [0, M) of x [M, k] against column groups [g0, g0 + GN): y[r, 16 g + c]. The groups'
+// sums are independent chains of dot products, and share each row's broadcast of x.
+template <int M, int GN, typename T>
+TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
+                                       const float* xsum, const float* bias, T* y,
+                                       int64_t y_stride) {
+  alignas(64) int16_t lut[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = w.qtype == kQ4_0 ? float((i & 15) - 8) : float(i & 15);
+    lut[i] = static_cast<int16_t>(c10::BFloat16(v).x);
+  }
+  const __m512i table = _mm512_load_si512(lut);
+  const int64_t gb_bytes = group_block_bytes(w.qtype);
+  __m512 acc[M][GN];
+  for (int r = 0; r < M; ++r) {
+    for (int j = 0; j < GN; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512 s[M][GN];
+    for (int r = 0; r < M; ++r) {
+      for (int j = 0; j < GN; ++j) s[r][j] = _mm512_setzero_ps();
+    }
+    const int64_t k0 = b * kBlockK;
+    for (int j = 0; j < GN; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w.group_block(g0 + j, b)) + 4 * gb_bytes,
+                   _MM_HINT_T0);
+    }
+    if (w.qtype == kQ8_0) {
+      for (int64_t p = 0; p < 16; ++p) {
+        __m512i v[GN];
+        for (int j = 0; j < GN; ++j) v[j] = q8_pair(w.group_block(g0 + j, b) + p * 32);
+        pair_dot<M, GN>(s, v, x, w.k, k0 + 2 * p);
+      }
+    } else {
+      for (int64_t pp = 0; pp < 8; ++pp) {
+        __m512i v0[GN], v1[GN];
+        for (int j = 0; j < GN; ++j) q4_pairs(w.group_block(g0 + j, b) + pp * 32, table, v0[j], v1[j]);
+        pair_dot<M, GN>(s, v0, x, w.k, k0 + 4 * pp);
+        pair_dot<M, GN>(s, v1, x, w.k, k0 + 4 * pp + 2);
+      }
+    }
+    for (int j = 0; j < GN; ++j) {
+      const __m512 dv = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.d, g0 + j, b))));
+      for (int r = 0; r < M; ++r) acc[r][j] = _mm512_fmadd_ps(dv, s[r][j], acc[r][j]);
+      if (w.qtype == kQ4_1) {
+        const __m512 mv = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.m, g0 + j, b))));
+        for (int r = 0; r < M; ++r) {
+          acc[r][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * w.blocks + b]), acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    for (int j = 0; j < GN; ++j) {
+      const int64_t col = (g0 + j) * kGroup;
+      __m512 v = acc[r][j];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
+      T* dst = y + r * y_stride + col;
+      if constexpr (std::is_same<T, at::BFloat16>::value) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+      } else {
+        _mm512_storeu_ps(dst, v);
+      }
+    }
+  }
+}
+
+template <int M, typename T>
+void gemv_rows(const Weight& w, const T* x, const float* xsum, const float* bias, T* y) {
+  const int64_t groups = w.n / kGroup;
+  // Groups taken 4 (one row) or 2 at a time where they divide evenly.
+  constexpr int kWide = M == 1 ? 4 : 2;
+  const int64_t gn = groups % kWide == 0 ? kWide : 1;
+  at::parallel_for(0, groups / gn, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (gn == kWide) {
+        gemv_groups<M, kWide>(w, t * kWide, x, xsum, bias, y, w.n);
+      } else {
+        gemv_groups<M, 1>(w, t, x, xsum, bias, y, w.n);
+      }
+    }
+  });
+}
+
+template <typename T>
+void gemv(const Weight& w, const T* x, int64_t m, const float* xsum, const float* bias, T* y) {
+  switch (m) {
+    case 1: gemv_rows<1>(w, x, xsum, bias, y); break;
+    case 2: gemv_rows<2>(w, x, xsum, bias, y); break;
+    case 3: gemv_rows<3>(w, x, xsum, bias, y); break;
+    default: gemv_rows<4>(w, x, xsum, bias, y);
+  }
+}
+
+// ---- many rows: de-quantize a block of columns, then the microkernel ----
+
+// Columns [n0, n0 + kColumnBlock) de-quantized into `linear`'s packed layout of one column
+// block: bf16 [K / 2, 64, 2] (`vnni`) or fp32 [K, 64].
+template <typename C>
+void dequantize_columns(const Weight& w, int64_t n0, bool vnni, C* out) {
+  for (int64_t gl = 0; gl < kColumnBlock / kGroup; ++gl) {
+    const int64_t g = n0 / kGroup + gl;
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* gb = w.group_block(g, b);
+      const c10::Half* d = w.scales(w.d, g, b);
+      const c10::Half* m = w.qtype == kQ4_1 ? w.scales(w.m, g, b) : nullptr;
+      for (int64_t p = 0; p < 16; ++p) {
+        const int64_t k = b * kBlockK + 2 * p;
+        for (int64_t c = 0; c < kGroup; ++c) {
+          for (int64_t e = 0; e < 2; ++e) {
+            const float v = weight_value(w.qtype, gb, d, m, p, c, e);
+            const int64_t col = gl * kGroup + c;
+            if (vnni) {
+              out[((k / 2) * kColumnBlock + col) * 2 + e] = from_float<C>(v);
+            } else {
+              out[(k + e) * kColumnBlock + col] = from_float<C>(v);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The same on AVX512-BF16, one pair of k (16 columns x 2) at a time: the pair's integers
+// widened to fp32 in two halves (columns 0-7, 8-15), times d (and plus m) per column, in the
+// reference's arithmetic (no fused multiply-add), then rounded to bf16 (`vnni`) or split into
+// the pair's two k rows (fp32).
+template <typename C>
+TOKENMILL_BF16_TARGET void dequantize_columns_avx512(const Weight& w, int64_t n0, bool vnni,
+                                                     C* out) {
+  const __m512i lo_cols = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t gl = 0; gl < kColumnBlock / kGroup; ++gl) {
+    const int64_t g = n0 / kGroup + gl;
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* gb = w.group_block(g, b);
+      const __m512 dv = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.d, g, b))));
+      const __m512 d_lo = _mm512_permutexvar_ps(lo_cols, dv), d_hi = _mm512_permutexvar_ps(hi_cols, dv);
+      __m512 m_lo = _mm512_setzero_ps(), m_hi = _mm512_setzero_ps();
+      if (w.qtype == kQ4_1) {
+        const __m512 mv = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.m, g, b))));
+        m_lo = _mm512_permutexvar_ps(lo_cols, mv);
+        m_hi = _mm512_permutexvar_ps(hi_cols, mv);
+      }
+      for (int64_t p = 0; p < 16; ++p) {
+        __m512i q;  // the pair's 32 integers, as int16
+        if (w.qtype == kQ8_0) {
+          q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + p * 32)));
+        } else {
+          const __m512i bytes = _mm512_cvtepu8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + (p / 2) * 32)));
+          q = p % 2 == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi16(0xF))
+                         : _mm512_srli_epi16(bytes, 4);
+          if (w.qtype == kQ4_0) q = _mm512_sub_epi16(q, _mm512_set1_epi16(8));
+        }
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+        lo = _mm512_mul_ps(d_lo, lo);
+        hi = _mm512_mul_ps(d_hi, hi);
+        if (w.qtype == kQ4_1) {
+          lo = _mm512_add_ps(lo, m_lo);
+          hi = _mm512_add_ps(hi, m_hi);
+        }
+        const int64_t k = b * kBlockK + 2 * p;
+        if constexpr (std::is_same<C, at::BFloat16>::value) {
+          _mm512_storeu_si512(out + ((k / 2) * kColumnBlock + gl * kGroup) * 2,
+                              (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        } else {
+          _mm512_storeu_ps(out + k * kColumnBlock + gl * kGroup, _mm512_permutex2var_ps(lo, even, hi));
+          _mm512_storeu_ps(out + (k + 1) * kColumnBlock + gl * kGroup,
+                           _mm512_permutex2var_ps(lo, odd, hi));
+        }
+      }
+    }
+  }
+}
+
+// rows x kColumnBlock fp32 products (+ bias) out to y's rows (row stride y_stride).
+template <typename T>
+TOKENMILL_BF16_TARGET void store_rows_avx512(const float* c, int64_t rows, const float* bias,
+                                             T* y, int64_t y_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < kColumnBlock; j += 16) {
+      __m512 v = _mm512_loadu_ps(c + r * kColumnBlock + j);
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+      if constexpr (std::is_same<T, at::BFloat16>::value) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + j),
+                            (__m256i)_mm512_cvtneps_pbh(v));
+      } else {
+        _mm512_storeu_ps(y + r * y_stride + j, v);
+      }
+    }
+  }
+}
+
+template <typename T>
+void store_rows(const float* c, int64_t rows, const float* bias, T* y, int64_t y_stride) {
+  if (cpu_isa() >= 2) {
+    store_rows_avx512(c, rows, bias, y, y_stride);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < kColumnBlock; ++j) {
+      y[r * y_stride + j] =
+          from_float<T>(c[r * kColumnBlock + j] + (bias != nullptr ? bias[j] : 0.f));
+    }
+  }
+}
+
+template <typename T>
+void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const float* bias,
+                              T* y) {
+  const bool vnni = std::is_same<T, at::BFloat16>::value;
+  const int64_t k = w.k, row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, w.n / kColumnBlock, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> buf(k * kColumnBlock);
+    std::vector<float> scratch(kRowBlock * kColumnBlock);
+    // Rows of a last block that is not a multiple of 16, padded with zeros (as linear does:
+    // a microkernel per row count otherwise).
+    std::vector<T> tail;
+    for (int64_t cb = begin; cb < end; ++cb) {
+      const int64_t n0 = cb * kColumnBlock;
+      if (cpu_isa() >= 2) {
+        dequantize_columns_avx512(w, n0, vnni, buf.data());
+      } else {
+        dequantize_columns(w, n0, vnni, buf.data());
+      }
+      for (int64_t rb = 0; rb < row_blocks; ++rb) {
+        const int64_t m0 = rb * kRowBlock, rows = std::min(kRowBlock, m - m0);
+        const T* a = x + m0 * k;
+        int64_t rows_run = rows;
+        if (rows > 16 && rows % 16 != 0) {
+          rows_run = (rows + 15) / 16 * 16;
+          tail.assign(rows_run * k, from_float<T>(0.f));
+          std::copy(a, a + rows * k, tail.begin());
+          a = tail.data();
+        }
+        at::native::cpublas::brgemm(rows_run, kColumnBlock, k, k, kColumnBlock, kColumnBlock,
+                                    false, a, buf.data(), scratch.data(), vnni);
+        store_rows(scratch.data(), rows, bias != nullptr ? bias + n0 : nullptr, y + m0 * w.n + n0,
+                   w.n);
+      }
+    }
+    at::native::cpublas::brgemm_release(vnni);
+  });
+}
+
+}  // namespace
+
+at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                       const c10::optional<at::Tensor>& m_in, int64_t qtype,
+                       const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
+              "gguf_linear: qtype must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
+  TORCH_CHECK(qs.dim() == 4 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
+                  qs.size(3) == 32 && qs.size(2) == (qtype == kQ8_0 ? 16 : 8),
+              "gguf_linear: qs must be a contiguous uint8 [N / 16, K / 32, pairs, 32], got ",
+              qs.sizes());
+  const int64_t groups = qs.size(0), blocks = qs.size(1);
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() &&
+                  d.sizes() == at::IntArrayRef({groups, blocks, kGroup}),
+              "gguf_linear: d must be fp16 [N / 16, K / 32, 16], got ", d.sizes());
+  const bool has_m = m_in.has_value() && m_in->defined();
+  TORCH_CHECK(has_m == (qtype == kQ4_1), "gguf_linear: Q4_1, and only Q4_1, takes m");
+  if (has_m) {
+    TORCH_CHECK(m_in->scalar_type() == at::kHalf && m_in->is_contiguous() &&
+                    m_in->sizes() == d.sizes(),
+                "gguf_linear: m must be shaped as d");
+  }
+  const int64_t n = groups * kGroup, k = blocks * kBlockK;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "gguf_linear: x must be [M, ", k, "], got ",
+              x_in.sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
+              "gguf_linear: x must be bf16 or fp32, got ", x_in.scalar_type());
+  if (x_in.scalar_type() == at::kBFloat16 && cpu_isa() < 1) {
+    // No bf16 microkernel below AVX-512: fp32 products of the same values, rounded back.
+    return gguf_linear(x_in.to(at::kFloat), qs, d, m_in, qtype, bias_in).to(at::kBFloat16);
+  }
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor bias = bias_in.has_value() && bias_in->defined()
+                              ? bias_in->to(at::kFloat).contiguous()
+                              : at::Tensor();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int64_t rows = x.size(0);
+  if (rows == 0) return at::empty({0, n}, x.options());
+  const Weight w{qs.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(d.data_ptr()),
+                 has_m ? reinterpret_cast<const c10::Half*>(m_in->data_ptr()) : nullptr,
+                 qtype, n, k, blocks};
+  TORCH_CHECK(n % kColumnBlock == 0, "gguf_linear: N=", n, " is not a multiple of ",
+              kColumnBlock);
+  if (rows > kRowBlock) {
+    // Several row blocks: the whole weight de-quantized once into `linear`'s packed layout
+    // (column blocks in parallel), then `linear`, whose tasks keep a block of rows in cache
+    // while the weight streams past (one block of columns at a time over every row, the rows
+    // would stream once per block of columns).
+    const bool vnni = x.scalar_type() == at::kBFloat16;
+    // Into one buffer per thread, kept: fresh pages for every call cost more than the copy
+    // (a first touch of memory is slow on virtual machines).
+    thread_local at::Tensor buffer;
+    const int64_t bytes = n * k * x.element_size();
+    if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, at::kByte);
+    const at::Tensor packed =
+        vnni ? at::from_blob(buffer.data_ptr(), {n / kColumnBlock, k / 2, kColumnBlock, 2},
+                             x.options())
+             : at::from_blob(buffer.data_ptr(), {n / kColumnBlock, k, kColumnBlock}, x.options());
+    at::parallel_for(0, n / kColumnBlock, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t cb = begin; cb < end; ++cb) {
+        if (vnni) {
+          auto* out = packed.data_ptr<at::BFloat16>() + cb * kColumnBlock * k;
+          cpu_isa() >= 2 ? dequantize_columns_avx512(w, cb * kColumnBlock, true, out)
+                         : dequantize_columns(w, cb * kColumnBlock, true, out);
+        } else {
+          auto* out = packed.data_ptr<float>() + cb * kColumnBlock * k;
+          cpu_isa() >= 2 ? dequantize_columns_avx512(w, cb * kColumnBlock, false, out)
+                         : dequantize_columns(w, cb * kColumnBlock, false, out);
+        }
+      }
+    });
+    return tokenmill::linear(x, packed, bias_in);
+  }
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows <= kFewRows && cpu_isa() >= 2) {
+    // Q4_1's m meets each block's sum of x.
+    std::vector<float> xsum;
+    if (qtype == kQ4_1) {
+      const at::Tensor sums = x.to(at::kFloat).view({rows, blocks, kBlockK}).sum(-1).contiguous();
+      xsum.assign(sums.data_ptr<float>(), sums.data_ptr<float>() + rows * blocks);
+    }
+    if (x.scalar_type() == at::kBFloat16) {
+      gemv(w, x.data_ptr<at::BFloat16>(), rows, xsum.data(), bp, y.data_ptr<at::BFloat16>());
+    } else {
+      gemv(w, x.data_ptr<float>(), rows, xsum.data(), bp, y.data_ptr<float>());
+    }
+    return y;
+  }
+  if (x.scalar_type() == at::kBFloat16) {
+    dequantize_then_multiply(w, x.data_ptr<at::BFloat16>(), rows, bp, y.data_ptr<at::BFloat16>());
+  } else {
+    dequantize_then_multiply(w, x.data_ptr<float>(), rows, bp, y.data_ptr<float>());
+  }
+  return y;
+}
+
+}  // namespace tokenmill

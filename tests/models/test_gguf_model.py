@@ -1,0 +1,75 @@
+"""A GGUF model run as the file holds it (quantization="gguf"): the default model from its
+Q4_1 file (Q8_0 embeddings and tied LM head) against the engine on the same weights
+de-quantized to fp32 (the default model's converted folder)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from helpers import smollm2_prompts
+from transformers import AutoTokenizer
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.protocol.default_model import default_gguf_file
+
+MAX_TOKENS = 24
+# Where the two engines' greedy tokens part, the reference's top two must lie this close (in
+# log-probability): fp32 sums in another order (the kernels multiply the blocks' integers and
+# scale each block's sum; the reference multiplies the de-quantized values) move logits by
+# ~1e-5 here, so only a near-tie may flip.
+NEAR_TIE = 1e-3
+# Log-probabilities of the tokens both chose: the same arithmetic up to the order of fp32 sums
+# over 576-1536 terms, through 30 layers.
+LOGPROB_TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def gguf_llm():
+    llm = LLM(str(default_gguf_file()), max_model_len=1024, kv_cache_memory_bytes=256 << 20,
+              dtype="float32")  # fmt: skip
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_default_model_from_its_q4_1_file_matches_the_dequantized_engine(
+    smollm2_path: str, smollm2_llm: LLM, gguf_llm: LLM
+) -> None:
+    assert gguf_llm.llm_engine.config.model_config.quantization == "gguf"
+    prompts = smollm2_prompts(AutoTokenizer.from_pretrained(smollm2_path))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+    # All prompts in one batch (decode steps of 8 rows: the de-quantize-then-multiply path,
+    # in fp32 the reference's own arithmetic) and three (decodes of up to 4 rows: the
+    # kernels' dot products on the blocks' integers).
+    for batch in (prompts, prompts[:3]):
+        _compare(gguf_llm, smollm2_llm, batch, params)
+
+
+def _compare(gguf_llm: LLM, ref_llm: LLM, prompts: list[list[int]], params) -> None:
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    ours = gguf_llm.generate(requests, params, use_tqdm=False)
+    ref = ref_llm.generate(requests, params, use_tqdm=False)
+    near_ties = compared = 0
+    for a, b in zip(ours, ref):
+        tokens, ref_tokens = a.outputs[0].token_ids, b.outputs[0].token_ids
+        for i, (t, r) in enumerate(zip(tokens, ref_tokens)):
+            ref_top = b.outputs[0].logprobs[i]
+            if t != r:
+                assert t in ref_top, (i, t, r)
+                gap = ref_top[r].logprob - ref_top[t].logprob
+                assert gap < NEAR_TIE, f"parted at {i} without a near-tie ({gap})"
+                near_ties += 1
+                break
+            lp, ref_lp = a.outputs[0].logprobs[i][t].logprob, ref_top[r].logprob
+            assert math.isclose(lp, ref_lp, abs_tol=LOGPROB_TOLERANCE), (i, lp, ref_lp)
+            compared += 1
+    assert near_ties <= 1 and compared >= len(prompts) * MAX_TOKENS // 2, (near_ties, compared)
+
+
+def test_quantization_is_checked_by_name(tiny_model) -> None:
+    path = str(tiny_model("llama-gqa"))
+    with pytest.raises(ValueError, match="quantization.*GGUF model"):
+        LLM(path, quantization="gguf", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="quantization.*not built yet"):
+        LLM(path, quantization="awq", skip_tokenizer_init=True)

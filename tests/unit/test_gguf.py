@@ -1,0 +1,134 @@
+"""GGUF block formats: the plain-torch de-quantization against gguf-py's own, the CPU kernel
+`gguf_linear` against de-quantize-then-matmul (every instruction set this CPU runs, rows 1 to
+512), and the loader's pieces (narrowing a quantized tensor, q/k's row order)."""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.kernels import cpu
+from tokenmill.kernels.cpu import gguf as G
+from tokenmill.protocol import envs
+from tokenmill.worker.layers.quantization.gguf import GGUFWeight, _reverse_permute
+
+TYPES = [G.Q4_0, G.Q4_1, G.Q8_0]
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
+    """Rows of random blocks [n, k / 32 * block bytes] with the format's extremes: whole blocks
+    of the smallest and largest integers, scales of zero, of fp16's largest magnitude and
+    subnormal, negative scales and minimums."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = k // 32
+    raw = torch.randint(0, 256, (n, blocks, G.BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=g)
+    d = torch.randn(n, blocks, generator=g) * 0.02
+    d[0, 0], d[1, 0], d[2, 0], d[3, 0] = 0.0, 65504.0, -65504.0, 6e-8
+    raw[..., 0:2] = d.half().view(torch.uint8).view(n, blocks, 2)
+    start = 2
+    if qtype == G.Q4_1:
+        m = torch.randn(n, blocks, generator=g) * 0.05
+        m[4, 0] = -65504.0
+        raw[..., 2:4] = m.half().view(torch.uint8).view(n, blocks, 2)
+        start = 4
+    raw[5, 0, start:] = 0x00  # q = 0 (Q4), 0 (Q8)
+    raw[6, 0, start:] = 0xFF  # q = 15 (Q4), -1 (Q8)
+    raw[7, 0, start:] = 0x80  # q = 0 and 8 (Q4), -128 (Q8)
+    raw[8, 0, start:] = 0x7F  # q = 15 and 7 (Q4), 127 (Q8)
+    return raw.view(n, -1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: G.NAMES[t])
+def test_dequantize_equals_gguf_py(qtype: int) -> None:
+    raw = random_blocks(qtype, 64, 256, seed=qtype)
+    ours = G.dequantize(raw, qtype)
+    theirs = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs, dtype=np.float32)))
+
+
+def test_repack_refuses_shapes_the_kernels_do_not_take() -> None:
+    assert not G.supported(G.Q4_0, (48, 64)) and G.supported(G.Q4_0, (64, 64))
+    with pytest.raises(ValueError, match="does not fit"):
+        G.repack(random_blocks(G.Q4_0, 48, 64, seed=1), G.Q4_0)
+    with pytest.raises(ValueError, match="uint8"):
+        G.repack(torch.zeros(64, 19, dtype=torch.uint8), G.Q4_0)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    if shutil.which("c++") is None and not cpu.build_dir(envs.TOKENMILL_CACHE).exists():
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    assert cpu.load(envs.TOKENMILL_CACHE), "the CPU kernels failed to build (see the log)"
+
+
+@pytest.fixture(params=[3, 2, 1, 0, -1], ids=lambda level: f"isa{level}")
+def isa(request, kernels) -> int:
+    """The kernels capped at each instruction set level this CPU runs."""
+    full = cpu.limit_isa(3)
+    if request.param > full:
+        pytest.skip(f"this CPU runs up to level {full}")
+    cpu.limit_isa(request.param)
+    yield request.param
+    cpu.limit_isa(full)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: G.NAMES[t])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gguf_linear_equals_dequantize_then_matmul(isa, qtype: int, dtype) -> None:
+    n, k = 192, 320
+    raw = random_blocks(qtype, n, k, seed=7 * qtype)
+    raw.view(n, k // 32, -1)[:, :, 0:2] = (torch.rand(n, k // 32, 1) * 0.05).half().view(
+        torch.uint8
+    )  # moderate scales here: the extremes' products would swamp the bound below
+    weight = G.dequantize(raw, qtype)
+    packed = G.repack(raw, qtype)
+    bias = torch.randn(n)
+    for m in (1, 3, 4, 16, 64, 300, 512):  # the few-row loop, one and several row blocks
+        x = torch.randn(m, k).to(dtype)
+        got = G.gguf_linear(x, packed, bias.to(dtype))
+        assert got.dtype == dtype and got.shape == (m, n)
+        # De-quantize, then multiply in x's dtype (bf16 weights, fp32 sums), plus the bias.
+        w = weight.to(dtype).float()
+        want = x.float() @ w.T + bias.to(dtype).float()
+        magnitude = x.float().abs() @ weight.abs().T + bias.abs()
+        bound = (k + 1) * 2.0**-24 * magnitude
+        if dtype == torch.bfloat16:
+            # The few-row loop multiplies the exact weights (products in fp32), the reference
+            # their bf16 roundings: within 2^-8 of each; then one place of bf16's rounding.
+            bound = bound + 2.0**-8 * magnitude + 2.0**-7 * want.abs().maximum(got.float().abs())
+        diff = (got.float() - want).abs()
+        assert (diff <= bound).all(), (m, float((diff - bound).max()))
+
+
+def test_gguf_linear_takes_the_extremes_of_each_format(kernels) -> None:
+    for qtype in TYPES:
+        raw = random_blocks(qtype, 64, 64, seed=qtype + 100)
+        packed = G.repack(raw, qtype)
+        x = torch.randn(2, 64)
+        want = x @ G.dequantize(raw, qtype).T
+        got = G.gguf_linear(x, packed)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_gguf_weight_narrows_rows_and_whole_blocks() -> None:
+    raw = random_blocks(G.Q4_1, 16, 128, seed=3)
+    w = GGUFWeight(raw.numpy(), G.Q4_1, 128)
+    assert w.shape == (16, 128)
+    full = w.load()
+    assert torch.equal(w.narrow(0, 2, 3).load(), full[2:5])
+    assert w.narrow(1, 64, 64).shape == (16, 64)
+    assert torch.equal(w.narrow(1, 64, 64).load(), full[:, 64:])
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        w.narrow(1, 16, 64)
+
+
+def test_reverse_permute_undoes_llama_cpp_q_k_interleaving() -> None:
+    heads, dim = 3, 8  # head size 8: rotary halves of 4
+    rows = np.arange(heads * dim * 2).reshape(heads * dim, 2)
+    # llama.cpp's converter: per head, row order (0, 4, 1, 5, 2, 6, 3, 7).
+    permuted = rows.reshape(heads, 2, dim // 2, 2).swapaxes(1, 2).reshape(rows.shape)
+    assert np.array_equal(_reverse_permute(permuted, heads), rows)

@@ -1,0 +1,222 @@
+"""GGUF checkpoints, loaded as the file holds them (quantization="gguf").
+
+`iter_gguf_weights` reads a GGUF file's tensors under the model's checkpoint names (gguf-py's
+tensor name map, as vLLM uses it): plain tensors (norms, biases) as torch tensors, block-
+quantized ones as a `GGUFWeight`, which the layers' weight loaders keep as their rows of
+blocks instead of copying values (`record`). `finalize` then gives each layer its run-time
+form: a matmul weight of a type the CPU kernels take (Q4_0, Q4_1, Q8_0) re-laid out for
+`gguf_linear`; an embedding its rows of blocks, de-quantized per looked-up token; anything
+else (another type, a layer whose shards mix types, no CPU kernels) de-quantized into the
+layer's weight, with one log line naming what.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.kernels.cpu import gguf as kernels
+
+logger = logging.getLogger(__name__)
+
+GGUF_FILE = "model.gguf"  # the file a GGUF model's folder links to (protocol/gguf_model.py)
+
+
+class GGUFWeight:
+    """A block-quantized tensor [N, K] of a GGUF file as rows of blocks [N, K / 32 * block
+    bytes], read from the file only as far as a loader narrows it."""
+
+    quantized = True
+
+    def __init__(self, rows: np.ndarray, qtype: int, k: int) -> None:
+        self.rows, self.qtype, self.k = rows, qtype, k
+        self.shape = torch.Size((rows.shape[0], k))
+
+    @property
+    def type_name(self) -> str:
+        import gguf
+
+        return gguf.GGMLQuantizationType(self.qtype).name
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
+        if dim == 0:
+            return GGUFWeight(self.rows[start : start + length], self.qtype, self.k)
+        import gguf
+
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.qtype)]
+        if start % block or length % block:
+            raise ValueError(
+                f"a {self.type_name} tensor splits along its input features only at whole "
+                f"blocks of {block}: [{start}, {start + length}) of {self.k}"
+            )
+        b0, b1 = start // block * block_bytes, (start + length) // block * block_bytes
+        return GGUFWeight(self.rows[:, b0:b1], self.qtype, length)
+
+    def raw(self) -> torch.Tensor:
+        """The rows of blocks, uint8 [N, K / 32 * block bytes]."""
+        return torch.from_numpy(np.array(self.rows))  # a copy: the file is mapped read-only
+
+    def load(self) -> torch.Tensor:
+        """The de-quantized fp32 values [N, K]."""
+        return dequantize(self.raw(), self.qtype)
+
+
+def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """fp32 values of rows of blocks: the kernels' reference for their formats, gguf-py's
+    de-quantization for the others."""
+    if qtype in kernels.BLOCK_BYTES:
+        return kernels.dequantize(raw, qtype)
+    import gguf
+
+    values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def _reverse_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the rotary halves of each head of q and k for its
+    rope; the checkpoint's (HF) order is the halves one after the other."""
+    dim = rows.shape[0] // heads // 2
+    return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _checkpoint_name(
+    gguf_name: str, candidates: dict[str, list[str]], accepts
+) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    for name in candidates.get(base, []):
+        if accepts(f"{name}.{suffix}"):
+            return f"{name}.{suffix}"
+    return None
+
+
+def iter_gguf_weights(path: Path, model: nn.Module) -> Iterator[tuple[str, object]]:
+    """The file's tensors under the checkpoint names `model` loads (its parameters' names,
+    q/k/v and gate/up before fusing)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    try:
+        model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    except StopIteration:
+        raise ValueError(f"GGUF architecture {arch!r} is unknown to gguf-py") from None
+    blocks = int(reader.fields[f"{arch}.block_count"].contents())
+    heads = int(reader.fields[f"{arch}.attention.head_count"].contents())
+    kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
+    kv_heads = int(kv_field.contents()) if kv_field is not None else heads
+    name_map = gguf.get_tensor_name_map(model_arch, blocks)
+    candidates: dict[str, list[str]] = {}
+    for theirs, (_, ours) in name_map.mapping.items():
+        candidates.setdefault(ours, []).append(theirs)
+    params = {name for name, _ in model.named_parameters()}
+    mapping = getattr(model, "packed_modules_mapping", {})
+
+    def accepts(name: str) -> bool:
+        for part, (fused, _) in mapping.items():
+            name = name.replace(f".{part}.", f".{fused}.")
+        return name in params or name == "lm_head.weight"
+
+    for tensor in reader.tensors:
+        name = _checkpoint_name(tensor.name, candidates, accepts)
+        if name is None:
+            raise ValueError(f"GGUF tensor {tensor.name!r} matches no parameter of the model")
+        qtype = int(tensor.tensor_type)
+        data = tensor.data
+        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            data = _reverse_permute(data, heads if "attn_q" in tensor.name else kv_heads)
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                     gguf.GGMLQuantizationType.BF16):  # fmt: skip
+            if qtype == gguf.GGMLQuantizationType.BF16:
+                data = np.ascontiguousarray(data).view(np.uint16)
+                yield name, torch.from_numpy(data.astype(np.int32) << 16).view(torch.float32)
+            else:
+                yield name, torch.from_numpy(np.array(data, dtype=np.float32))
+            continue
+        logical = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
+        if len(logical) != 2:
+            raise ValueError(f"GGUF tensor {tensor.name!r} of shape {logical} is not a matrix")
+        yield name, GGUFWeight(data, qtype, logical[1])
+
+
+def record(param: torch.Tensor, loaded: GGUFWeight, offset: int = 0) -> None:
+    """A loader's shard of a quantized tensor: rows [offset, offset + rows) of `param`."""
+    shards = getattr(param, "gguf_shards", None)
+    if shards is None:
+        shards = param.gguf_shards = []  # type: ignore[attr-defined]
+    shards.append((offset, loaded))
+
+
+def _whole(param: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The recorded shards as one tensor of rows of blocks and its type, where they are of one
+    type and cover the parameter's rows and columns."""
+    shards = sorted(param.gguf_shards, key=lambda s: s[0])  # type: ignore[attr-defined]
+    types = {s.qtype for _, s in shards}
+    rows, expected = 0, 0
+    for offset, shard in shards:
+        if offset != expected or shard.k != param.shape[1]:
+            return None
+        expected += shard.shape[0]
+        rows = expected
+    if len(types) != 1 or rows != param.shape[0]:
+        return None
+    return torch.cat([s.raw() for _, s in shards]), types.pop()
+
+
+def finalize(model: nn.Module, kernels_in_use: bool) -> None:
+    """Each quantized layer in its run-time form (see the module's doc)."""
+    from tokenmill.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from tokenmill.worker.layers.linear import LinearBase
+
+    users: dict[int, list[nn.Module]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, (LinearBase, VocabParallelEmbedding)) and getattr(
+            weight, "gguf_shards", None
+        ):
+            users.setdefault(id(weight), []).append(module)
+            params[id(weight)] = weight
+    native, dense = Counter(), Counter()
+    for key, modules in users.items():
+        param = params[key]
+        whole = _whole(param)
+        raw, qtype = whole if whole is not None else (None, None)
+        shape = (param.shape[0], param.shape[1])
+        needs_dense = False
+        for module in modules:
+            matmul = isinstance(module, (LinearBase, ParallelLMHead))
+            if raw is None:
+                needs_dense = True
+            elif matmul and kernels_in_use and kernels.supported(qtype, shape):
+                module.qweight = kernels.repack(raw, qtype)
+            elif matmul:
+                needs_dense = True
+            else:  # an embedding looks its rows up in the file's blocks
+                module.gguf_rows, module.gguf_type = raw, qtype
+        name = kernels.NAMES.get(qtype) if qtype is not None else None
+        if needs_dense:
+            for offset, shard in param.gguf_shards:  # type: ignore[attr-defined]
+                param.data[offset : offset + shard.shape[0]].copy_(shard.load())
+            dense[name or shards_types(param)] += 1
+        else:
+            native[name] += 1
+            param.data = torch.empty(0, dtype=param.dtype)  # the values live in the blocks
+        del param.gguf_shards  # type: ignore[attr-defined]
+    if native:
+        logger.info("GGUF weights kept in their formats: %s", dict(native))
+    if dense:
+        logger.info("GGUF weights de-quantized to %s (no CPU kernel for their type or layout "
+                    "here): %s", next(iter(params.values())).dtype, dict(dense))  # fmt: skip
+
+
+def shards_types(param: torch.Tensor) -> str:
+    import gguf
+
+    names = sorted({gguf.GGMLQuantizationType(s.qtype).name for _, s in param.gguf_shards})  # type: ignore[attr-defined]
+    return "+".join(names)
