@@ -39,6 +39,7 @@ constexpr int64_t kBlockK = 32;                   // weights per scale
 constexpr int64_t kColumnBlock = 64;              // columns per task on the many-row path
 constexpr int64_t kRowBlock = 256;                // rows per microkernel call there
 constexpr int64_t kFewRows = 4;                   // rows up to which the dot-product loop runs
+constexpr int64_t kPrefetchBlocks = 8;            // how far ahead that loop prefetches
 
 // Bytes of qs per (group, block).
 int64_t group_block_bytes(int64_t qtype) { return qtype == kQ8_0 ? 16 * 32 : 8 * 32; }
@@ -144,9 +145,18 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
       for (int j = 0; j < GN; ++j) s[r][j] = _mm512_setzero_ps();
     }
     const int64_t k0 = b * kBlockK;
+    // The blocks kPrefetchBlocks ahead, and their scales (each stream runs in its own pages,
+    // which the hardware prefetchers reach late).
     for (int j = 0; j < GN; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w.group_block(g0 + j, b)) + 4 * gb_bytes,
+      const char* ahead = reinterpret_cast<const char*>(w.group_block(g0 + j, b)) +
+                          kPrefetchBlocks * gb_bytes;
+      for (int64_t line = 0; line < gb_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w.scales(w.d, g0 + j, b + kPrefetchBlocks)),
                    _MM_HINT_T0);
+      if (w.m != nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(w.scales(w.m, g0 + j, b + kPrefetchBlocks)),
+                     _MM_HINT_T0);
+      }
     }
     if (w.qtype == kQ8_0) {
       for (int64_t p = 0; p < 16; ++p) {
@@ -193,9 +203,10 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
 template <int M, typename T>
 void gemv_rows(const Weight& w, const T* x, const float* xsum, const float* bias, T* y) {
   const int64_t groups = w.n / kGroup;
-  // Groups taken 4 (one row) or 2 at a time where they divide evenly.
+  // Groups taken 4 (one row, at least 64 groups) or 2 at a time where they divide evenly:
+  // enough tasks for the threads to share them evenly.
   constexpr int kWide = M == 1 ? 4 : 2;
-  const int64_t gn = groups % kWide == 0 ? kWide : 1;
+  const int64_t gn = groups % kWide == 0 && groups >= 16 * kWide ? kWide : 1;
   at::parallel_for(0, groups / gn, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (gn == kWide) {
@@ -450,11 +461,17 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   }
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows <= kFewRows && cpu_isa() >= 2) {
-    // Q4_1's m meets each block's sum of x.
-    std::vector<float> xsum;
-    if (qtype == kQ4_1) {
-      const at::Tensor sums = x.to(at::kFloat).view({rows, blocks, kBlockK}).sum(-1).contiguous();
-      xsum.assign(sums.data_ptr<float>(), sums.data_ptr<float>() + rows * blocks);
+    // Q4_1's m meets each block's sum of x (a plain loop: torch ops here cost more than the
+    // product at one row).
+    std::vector<float> xsum(qtype == kQ4_1 ? rows * blocks : 0);
+    for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < kBlockK; ++j) {
+        sum += x.scalar_type() == at::kBFloat16
+                   ? to_float(x.data_ptr<at::BFloat16>()[i * kBlockK + j])
+                   : x.data_ptr<float>()[i * kBlockK + j];
+      }
+      xsum[i] = sum;
     }
     if (x.scalar_type() == at::kBFloat16) {
       gemv(w, x.data_ptr<at::BFloat16>(), rows, xsum.data(), bp, y.data_ptr<at::BFloat16>());
