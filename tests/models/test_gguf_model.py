@@ -73,3 +73,27 @@ def test_quantization_is_checked_by_name(tiny_model) -> None:
         LLM(path, quantization="gguf", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="quantization.*not built yet"):
         LLM(path, quantization="awq", skip_tokenizer_init=True)
+
+
+@pytest.mark.slow
+def test_without_the_cpu_kernels_gguf_weights_are_dequantized(
+    monkeypatch, smollm2_llm: LLM
+) -> None:
+    """TOKENMILL_CPU_KERNELS=0: the file's blocks are de-quantized at load and the torch path
+    runs them: the converted model's tokens, log-probabilities within the tolerance above (the
+    reference runs on the kernels: fp32 sums in another order)."""
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    llm = LLM(str(default_gguf_file()), max_model_len=512, kv_cache_memory_bytes=64 << 20,
+              dtype="float32", multiprocess=True)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        ours = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    ref = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for t, got, want in zip(a.outputs[0].token_ids, a.outputs[0].logprobs,
+                                b.outputs[0].logprobs):  # fmt: skip
+            assert math.isclose(got[t].logprob, want[t].logprob, abs_tol=LOGPROB_TOLERANCE)

@@ -203,8 +203,10 @@ def finalize(model: nn.Module, kernels_in_use: bool) -> None:
                 module.qweight = kernels.repack(raw, qtype)
             elif matmul:
                 needs_dense = True
-            else:  # an embedding looks its rows up in the file's blocks
+            elif kernels_in_use:  # an embedding looks its rows up in the file's blocks
                 module.gguf_rows, module.gguf_type = raw, qtype
+            else:  # (on CUDA the table is the device's dense weight)
+                needs_dense = True
         name = kernels.NAMES.get(qtype) if qtype is not None else None
         if needs_dense:
             for offset, shard in param.gguf_shards:  # type: ignore[attr-defined]
