@@ -671,23 +671,37 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
         skip_tokenizer_init=args.skip_tokenizer_init,
         max_logprobs=args.max_logprobs,
         sampling_defaults=sampling_defaults(args.generation_config, path),
-        quantization=_quantization(args.quantization, path),
+        quantization=_quantization(args.quantization, path, hf),
     )
 
 
 # The checkpoint formats `quantization` takes (worker/layers/quantization/).
-QUANTIZATION_METHODS = ("gguf",)
+QUANTIZATION_METHODS = ("gguf", "awq", "gptq")
 
 
-def _quantization(value: str | None, path: str) -> str | None:
-    """The checkpoint's format: "gguf" where the folder holds a GGUF file (the user may name
-    it); formats still to come are refused by name."""
+def _quantization(value: str | None, path: str, hf: dict[str, Any]) -> str | None:
+    """The checkpoint's format: "gguf" where the folder holds a GGUF file, "awq" or "gptq"
+    as config.json's quantization_config names it (the user may name either); formats still
+    to come are refused by name."""
     gguf = (Path(path) / "model.gguf").exists()
     _check(value is None or value in QUANTIZATION_METHODS, "quantization", value,
-           f"one of {list(QUANTIZATION_METHODS)} (awq, gptq and int8 are not built yet)")  # fmt: skip
+           f"one of {list(QUANTIZATION_METHODS)} (int8 is not built yet)")  # fmt: skip
     _check(value != "gguf" or gguf, "quantization", value,
            "a GGUF model (a .gguf file, or a folder made from one)")  # fmt: skip
-    return "gguf" if gguf else None
+    if gguf:
+        return "gguf"
+    stored = (hf.get("quantization_config") or {}).get("quant_method")
+    stored = str(stored).lower() if stored is not None else None
+    if value is not None and stored != value:
+        # (vLLM's words)
+        raise ValueError(
+            f"Quantization method specified in the model config ({stored}) does not match the "
+            f"quantization method specified in the `quantization` argument ({value})."
+        )
+    if stored is not None and stored not in ("awq", "gptq"):
+        raise ValueError(f"quantization_config.quant_method {stored!r} is not supported: "
+                         f"tokenmill runs {list(QUANTIZATION_METHODS)}")  # fmt: skip
+    return stored
 
 
 # generation_config.json fields that become sampling defaults, by their SamplingParams name.
@@ -815,7 +829,7 @@ ENGINE_ARG_HELP = {
     "loaded rank a prefix-holding rank may be and still get the request",
     "load_format": "auto (the checkpoint) or dummy (random weights)",
     "quantization": "how the checkpoint's weights are stored and run: gguf (automatic for a "
-    "GGUF model)",
+    "GGUF model), awq or gptq (int4; automatic from config.json's quantization_config)",
     "device": "auto, cpu or cuda",
     "attention_backend": "TRITON_ATTN, CPU_ATTN or TORCH_SDPA (default by device)",
     "enforce_eager": "no CUDA graphs",

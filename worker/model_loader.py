@@ -66,6 +66,13 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
 
         load_weights(model, gguf.iter_gguf_weights(Path(model_config.model) / gguf.GGUF_FILE, model))
         gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels())
+    elif model_config.quantization in ("awq", "gptq"):
+        from tokenmill.worker.layers.quantization import gguf, int4
+
+        folder = Path(model_config.model)
+        load_weights(model, int4.iter_int4_weights(_iter_safetensors(folder), folder,
+                                                   model_config.quantization))  # fmt: skip
+        gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels())
     else:
         load_weights(model, _iter_safetensors(Path(model_config.model)))
     platform_of(device).prepare_model(model)

@@ -6,6 +6,9 @@ A GGUF tensor [N, K] of a block type is N rows of K / 32 blocks; a block holds 3
         w = d * (q - 8)
   Q4_1: fp16 d, fp16 m, 16 bytes of 4-bit q as Q4_0;  w = d * q + m
   Q8_0: fp16 d, 32 int8 q;  w = d * q
+  Q4_Z: no GGML type but the int4 checkpoints' (AWQ, GPTQ: worker/layers/quantization/int4.py):
+        Q4_1's bytes with an integer zero point z (exact in fp16) where Q4_1 has m;
+        w = d * (q - z)
 `repack` turns those rows into the kernel's groups of 16 columns (csrc/gguf_linear.cpp says
 the layout); the bytes per weight stay the file's (0.56, 0.63, 1.06).
 """
@@ -17,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
+Q4_Z = 1000  # tokenmill's own id, beyond GGML's
 BLOCK = 32  # weights per block
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_Z: 20}
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_Z: "Q4_Z"}
 GROUP = 16  # output columns per group of the kernel's layout
 # Columns the kernel's many-row path de-quantizes at a time: N must be a multiple.
 COLUMN_BLOCK = 64
@@ -52,8 +56,8 @@ def _fields(raw: torch.Tensor, qtype: int):
     d = _half(blocks, 0)
     if qtype == Q8_0:
         return d, None, blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
-    m = _half(blocks, 2) if qtype == Q4_1 else None
-    nibbles = blocks[..., 4:] if qtype == Q4_1 else blocks[..., 2:]
+    m = _half(blocks, 2) if qtype in (Q4_1, Q4_Z) else None
+    nibbles = blocks[..., 4:] if m is not None else blocks[..., 2:]
     q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1)  # weights 0-15, then 16-31
     return d, m, q.reshape(n, -1)
 
@@ -66,6 +70,8 @@ def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     scale = d.float().repeat_interleave(BLOCK, dim=1)
     if qtype == Q4_0:
         return scale * (q.float() - 8)
+    if qtype == Q4_Z:
+        return scale * (q.float() - m.float().repeat_interleave(BLOCK, dim=1))
     w = scale * q.float()
     if qtype == Q4_1:
         w = w + m.float().repeat_interleave(BLOCK, dim=1)
@@ -80,14 +86,17 @@ class PackedGGUF:
     shape: tuple[int, int]  # the logical [N, K]
     qs: torch.Tensor  # uint8 [N / 16, K / 32, pairs, 32]
     d: torch.Tensor  # fp16 [N / 16, K / 32, 16]
-    m: torch.Tensor | None  # fp16, as d (Q4_1)
+    m: torch.Tensor | None  # fp16, as d (Q4_1's m, Q4_Z's z)
+    # The input features in the weight's column order (GPTQ's act-order: the checkpoint's
+    # columns sorted by group), taken from x before the product; None: x's own order.
+    perm: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
 
-def repack(raw: torch.Tensor, qtype: int) -> PackedGGUF:
+def repack(raw: torch.Tensor, qtype: int, perm: torch.Tensor | None = None) -> PackedGGUF:
     """A GGUF tensor's rows [N, K / 32 * block bytes] in the kernel's layout."""
     d, m, q = _fields(raw, qtype)
     n, k = q.shape
@@ -107,7 +116,7 @@ def repack(raw: torch.Tensor, qtype: int) -> PackedGGUF:
     def per_group(s: torch.Tensor) -> torch.Tensor:
         return s.view(groups, GROUP, blocks).transpose(1, 2).contiguous()
 
-    return PackedGGUF(qtype, (n, k), qs, per_group(d), None if m is None else per_group(m))
+    return PackedGGUF(qtype, (n, k), qs, per_group(d), None if m is None else per_group(m), perm)
 
 
 def gguf_linear(
@@ -115,6 +124,8 @@ def gguf_linear(
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (bf16 or fp32)."""
     shape = x.shape
+    if weight.perm is not None:
+        x = x.index_select(-1, weight.perm)
     y = torch.ops.tokenmill.gguf_linear(
         x.reshape(-1, shape[-1]), weight.qs, weight.d, weight.m, weight.qtype, bias
     )

@@ -72,7 +72,7 @@ def test_quantization_is_checked_by_name(tiny_model) -> None:
     with pytest.raises(ValueError, match="quantization.*GGUF model"):
         LLM(path, quantization="gguf", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="quantization.*not built yet"):
-        LLM(path, quantization="awq", skip_tokenizer_init=True)
+        LLM(path, quantization="int8", skip_tokenizer_init=True)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from tokenmill.protocol import envs
 from tokenmill.worker.layers.quantization.gguf import GGUFWeight, _reverse_permute
 
 TYPES = [G.Q4_0, G.Q4_1, G.Q8_0]
+KERNEL_TYPES = TYPES + [G.Q4_Z]  # Q4_Z: the int4 checkpoints' (AWQ, GPTQ) blocks
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -35,6 +36,11 @@ def random_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
         m[4, 0] = -65504.0
         raw[..., 2:4] = m.half().view(torch.uint8).view(n, blocks, 2)
         start = 4
+    if qtype == G.Q4_Z:  # integer zero points, 0 and 15 among them
+        z = torch.randint(0, 16, (n, blocks), generator=g).float()
+        z[4, 0], z[5, 0] = 0.0, 15.0
+        raw[..., 2:4] = z.half().view(torch.uint8).view(n, blocks, 2)
+        start = 4
     raw[5, 0, start:] = 0x00  # q = 0 (Q4), 0 (Q8)
     raw[6, 0, start:] = 0xFF  # q = 15 (Q4), -1 (Q8)
     raw[7, 0, start:] = 0x80  # q = 0 and 8 (Q4), -128 (Q8)
@@ -48,6 +54,16 @@ def test_dequantize_equals_gguf_py(qtype: int) -> None:
     ours = G.dequantize(raw, qtype)
     theirs = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
     assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs, dtype=np.float32)))
+
+
+def test_q4_z_dequantizes_as_scale_times_q_minus_zero() -> None:
+    raw = random_blocks(G.Q4_Z, 16, 64, seed=5)
+    blocks = raw.view(16, 2, 20)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [16, 2, 1]
+    z = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    nibbles = blocks[..., 4:].long()
+    q = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).float()  # weights 0-15, then 16-31
+    assert torch.equal(G.dequantize(raw, G.Q4_Z), (d * (q - z)).view(16, 64))
 
 
 def test_repack_refuses_shapes_the_kernels_do_not_take() -> None:
@@ -76,7 +92,7 @@ def isa(request, kernels) -> int:
     cpu.limit_isa(full)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: G.NAMES[t])
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: G.NAMES[t])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gguf_linear_equals_dequantize_then_matmul(isa, qtype: int, dtype) -> None:
     n, k = 192, 320
@@ -105,7 +121,7 @@ def test_gguf_linear_equals_dequantize_then_matmul(isa, qtype: int, dtype) -> No
 
 
 def test_gguf_linear_takes_the_extremes_of_each_format(kernels) -> None:
-    for qtype in TYPES:
+    for qtype in KERNEL_TYPES:
         raw = random_blocks(qtype, 64, 64, seed=qtype + 100)
         packed = G.repack(raw, qtype)
         x = torch.randn(2, 64)

@@ -65,6 +65,7 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
             or any(p.qweight is None and (p.weight.dim() < 3 or p.weight.dtype != dtype)
                    for p in projections)  # fmt: skip
             or (mlp.gate_up_proj.qweight is None and not fuses_silu_mul(mlp.gate_up_proj.weight))
+            or any(p.qweight is not None and p.qweight.perm is not None for p in projections)
         ):
             return None
         weights += [norms[0].weight, projections[0].weight, projections[1].weight,

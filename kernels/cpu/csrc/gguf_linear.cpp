@@ -7,6 +7,8 @@
 //       32-byte row (low and high nibbles), Q8 one pair per row (int8);
 //   d, m: [N / 16, K / 32, 16] fp16, per column of the group.
 // A weight is w = d * (q - 8) (Q4_0), d * q + m (Q4_1), d * q (Q8_0), as GGUF defines it.
+// Q4_Z is no GGML type but the int4 checkpoints' (AWQ, GPTQ): Q4_1's layout with m holding an
+// integer zero point z per block (exact in fp16), w = d * (q - z).
 //
 // Few rows (decodes) on AVX512-BF16: each block's values become exact bf16 integers in
 // registers (a table lookup for 4 bits, a conversion for 8) and meet the activations in dot
@@ -34,6 +36,7 @@ namespace tokenmill {
 namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML's type ids
+constexpr int64_t kQ4_Z = 1000;                   // tokenmill's (kernels/cpu/gguf.py)
 constexpr int64_t kGroup = 16;                    // output columns per group
 constexpr int64_t kBlockK = 32;                   // weights per scale
 constexpr int64_t kColumnBlock = 64;              // columns per task on the many-row path
@@ -59,13 +62,14 @@ inline float weight_value(int64_t qtype, const uint8_t* gb, const c10::Half* d,
   }
   const int q = q4_value(gb, p, c, e);
   if (qtype == kQ4_0) return scale * static_cast<float>(q - 8);
+  if (qtype == kQ4_Z) return scale * static_cast<float>(q - static_cast<int>(static_cast<float>(m[c])));
   return scale * static_cast<float>(q) + static_cast<float>(m[c]);
 }
 
 struct Weight {
   const uint8_t* qs;
   const c10::Half* d;
-  const c10::Half* m;  // Q4_1 only
+  const c10::Half* m;  // Q4_1's minimum, Q4_Z's zero point
   int64_t qtype, n, k, blocks;
   const uint8_t* group_block(int64_t g, int64_t b) const {
     return qs + (g * blocks + b) * group_block_bytes(qtype);
@@ -175,6 +179,15 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
     for (int j = 0; j < GN; ++j) {
       const __m512 dv = _mm512_cvtph_ps(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.d, g0 + j, b))));
+      if (w.qtype == kQ4_Z) {  // d * (sum x q - z * sum x)
+        const __m512 zv = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.m, g0 + j, b))));
+        for (int r = 0; r < M; ++r) {
+          const __m512 t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xsum[r * w.blocks + b]), s[r][j]);
+          acc[r][j] = _mm512_fmadd_ps(dv, t, acc[r][j]);
+        }
+        continue;
+      }
       for (int r = 0; r < M; ++r) acc[r][j] = _mm512_fmadd_ps(dv, s[r][j], acc[r][j]);
       if (w.qtype == kQ4_1) {
         const __m512 mv = _mm512_cvtph_ps(
@@ -239,7 +252,7 @@ void dequantize_columns(const Weight& w, int64_t n0, bool vnni, C* out) {
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* gb = w.group_block(g, b);
       const c10::Half* d = w.scales(w.d, g, b);
-      const c10::Half* m = w.qtype == kQ4_1 ? w.scales(w.m, g, b) : nullptr;
+      const c10::Half* m = w.m != nullptr ? w.scales(w.m, g, b) : nullptr;
       for (int64_t p = 0; p < 16; ++p) {
         const int64_t k = b * kBlockK + 2 * p;
         for (int64_t c = 0; c < kGroup; ++c) {
@@ -277,7 +290,7 @@ TOKENMILL_BF16_TARGET void dequantize_columns_avx512(const Weight& w, int64_t n0
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.d, g, b))));
       const __m512 d_lo = _mm512_permutexvar_ps(lo_cols, dv), d_hi = _mm512_permutexvar_ps(hi_cols, dv);
       __m512 m_lo = _mm512_setzero_ps(), m_hi = _mm512_setzero_ps();
-      if (w.qtype == kQ4_1) {
+      if (w.m != nullptr) {  // Q4_1's minimum or Q4_Z's zero point
         const __m512 mv = _mm512_cvtph_ps(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.m, g, b))));
         m_lo = _mm512_permutexvar_ps(lo_cols, mv);
@@ -296,6 +309,10 @@ TOKENMILL_BF16_TARGET void dequantize_columns_avx512(const Weight& w, int64_t n0
         }
         __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
         __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+        if (w.qtype == kQ4_Z) {  // q - z: exact small integers
+          lo = _mm512_sub_ps(lo, m_lo);
+          hi = _mm512_sub_ps(hi, m_hi);
+        }
         lo = _mm512_mul_ps(d_lo, lo);
         hi = _mm512_mul_ps(d_hi, hi);
         if (w.qtype == kQ4_1) {
@@ -391,8 +408,9 @@ void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const floa
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                        const c10::optional<at::Tensor>& m_in, int64_t qtype,
                        const c10::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
-              "gguf_linear: qtype must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_Z,
+              "gguf_linear: qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8) or Q4_Z (1000), got ",
+              qtype);
   TORCH_CHECK(qs.dim() == 4 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
                   qs.size(3) == 32 && qs.size(2) == (qtype == kQ8_0 ? 16 : 8),
               "gguf_linear: qs must be a contiguous uint8 [N / 16, K / 32, pairs, 32], got ",
@@ -402,7 +420,8 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
                   d.sizes() == at::IntArrayRef({groups, blocks, kGroup}),
               "gguf_linear: d must be fp16 [N / 16, K / 32, 16], got ", d.sizes());
   const bool has_m = m_in.has_value() && m_in->defined();
-  TORCH_CHECK(has_m == (qtype == kQ4_1), "gguf_linear: Q4_1, and only Q4_1, takes m");
+  TORCH_CHECK(has_m == (qtype == kQ4_1 || qtype == kQ4_Z),
+              "gguf_linear: Q4_1 and Q4_Z, and only they, take m");
   if (has_m) {
     TORCH_CHECK(m_in->scalar_type() == at::kHalf && m_in->is_contiguous() &&
                     m_in->sizes() == d.sizes(),
@@ -461,9 +480,9 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   }
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows <= kFewRows && cpu_isa() >= 2) {
-    // Q4_1's m meets each block's sum of x (a plain loop: torch ops here cost more than the
-    // product at one row).
-    std::vector<float> xsum(qtype == kQ4_1 ? rows * blocks : 0);
+    // Q4_1's m and Q4_Z's z meet each block's sum of x (a plain loop: torch ops here cost
+    // more than the product at one row).
+    std::vector<float> xsum(has_m ? rows * blocks : 0);
     for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
       float sum = 0.f;
       for (int64_t j = 0; j < kBlockK; ++j) {

@@ -4,8 +4,9 @@ re-lays them out once for the kernels and runs the layer's matmul on them (vLLM'
 weight arrives through the layer's own `weight_loader`, and `finalize` turns what was loaded
 into the layer's run-time form.
 
-Formats: "gguf" (llama.cpp's block formats; automatic for a GGUF model). Formats still to
-come: "awq", "gptq", "int8".
+Formats: "gguf" (llama.cpp's block formats; automatic for a GGUF model: gguf.py), "awq" and
+"gptq" (int4 safetensors checkpoints, turned into the kernels' int4 blocks at load: int4.py).
+Still to come: "int8".
 """
 
 from __future__ import annotations

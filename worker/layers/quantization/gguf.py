@@ -30,26 +30,39 @@ GGUF_FILE = "model.gguf"  # the file a GGUF model's folder links to (protocol/gg
 
 class GGUFWeight:
     """A block-quantized tensor [N, K] of a GGUF file as rows of blocks [N, K / 32 * block
-    bytes], read from the file only as far as a loader narrows it."""
+    bytes], read from the file only as far as a loader narrows it. The int4 checkpoints
+    (int4.py) arrive as this too, in the Q4_Z blocks; `perm`, where set, is the input feature
+    each column holds (GPTQ's act-order sorts the columns by group)."""
 
     quantized = True
 
-    def __init__(self, rows: np.ndarray, qtype: int, k: int) -> None:
-        self.rows, self.qtype, self.k = rows, qtype, k
+    def __init__(
+        self, rows: np.ndarray, qtype: int, k: int, perm: torch.Tensor | None = None
+    ) -> None:
+        self.rows, self.qtype, self.k, self.perm = rows, qtype, k, perm
         self.shape = torch.Size((rows.shape[0], k))
 
     @property
     def type_name(self) -> str:
+        if self.qtype in kernels.NAMES:
+            return kernels.NAMES[self.qtype]
         import gguf
 
         return gguf.GGMLQuantizationType(self.qtype).name
 
-    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight | torch.Tensor:
         if dim == 0:
-            return GGUFWeight(self.rows[start : start + length], self.qtype, self.k)
-        import gguf
+            return GGUFWeight(self.rows[start : start + length], self.qtype, self.k, self.perm)
+        if self.perm is not None:
+            # The columns are in group order, so x's slice of features is no slice of them:
+            # that shard is de-quantized.
+            return self.load().narrow(1, start, length).contiguous()
+        if self.qtype in kernels.BLOCK_BYTES:
+            block, block_bytes = kernels.BLOCK, kernels.BLOCK_BYTES[self.qtype]
+        else:
+            import gguf
 
-        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.qtype)]
+            block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.qtype)]
         if start % block or length % block:
             raise ValueError(
                 f"a {self.type_name} tensor splits along its input features only at whole "
@@ -63,8 +76,13 @@ class GGUFWeight:
         return torch.from_numpy(np.array(self.rows))  # a copy: the file is mapped read-only
 
     def load(self) -> torch.Tensor:
-        """The de-quantized fp32 values [N, K]."""
-        return dequantize(self.raw(), self.qtype)
+        """The de-quantized fp32 values [N, K], columns in x's order."""
+        values = dequantize(self.raw(), self.qtype)
+        if self.perm is None:
+            return values
+        ordered = torch.empty_like(values)
+        ordered[:, self.perm] = values
+        return ordered
 
 
 def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -158,11 +176,14 @@ def record(param: torch.Tensor, loaded: GGUFWeight, offset: int = 0) -> None:
     shards.append((offset, loaded))
 
 
-def _whole(param: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """The recorded shards as one tensor of rows of blocks and its type, where they are of one
-    type and cover the parameter's rows and columns."""
+def _whole(param: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+    """The recorded shards as one tensor of rows of blocks, its type and column order, where
+    they are of one type and order and cover the parameter's rows and columns."""
     shards = sorted(param.gguf_shards, key=lambda s: s[0])  # type: ignore[attr-defined]
     types = {s.qtype for _, s in shards}
+    perm = shards[0][1].perm
+    if any(not _same_order(s.perm, perm) for _, s in shards):
+        return None
     rows, expected = 0, 0
     for offset, shard in shards:
         if offset != expected or shard.k != param.shape[1]:
@@ -171,7 +192,11 @@ def _whole(param: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         rows = expected
     if len(types) != 1 or rows != param.shape[0]:
         return None
-    return torch.cat([s.raw() for _, s in shards]), types.pop()
+    return torch.cat([s.raw() for _, s in shards]), types.pop(), perm
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def finalize(model: nn.Module, kernels_in_use: bool) -> None:
@@ -192,7 +217,7 @@ def finalize(model: nn.Module, kernels_in_use: bool) -> None:
     for key, modules in users.items():
         param = params[key]
         whole = _whole(param)
-        raw, qtype = whole if whole is not None else (None, None)
+        raw, qtype, perm = whole if whole is not None else (None, None, None)
         shape = (param.shape[0], param.shape[1])
         needs_dense = False
         for module in modules:
@@ -200,10 +225,10 @@ def finalize(model: nn.Module, kernels_in_use: bool) -> None:
             if raw is None:
                 needs_dense = True
             elif matmul and kernels_in_use and kernels.supported(qtype, shape):
-                module.qweight = kernels.repack(raw, qtype)
+                module.qweight = kernels.repack(raw, qtype, perm)
             elif matmul:
                 needs_dense = True
-            elif kernels_in_use:  # an embedding looks its rows up in the file's blocks
+            elif kernels_in_use and perm is None:  # an embedding looks its rows up in the file's blocks
                 module.gguf_rows, module.gguf_type = raw, qtype
             else:  # (on CUDA the table is the device's dense weight)
                 needs_dense = True
@@ -217,14 +242,12 @@ def finalize(model: nn.Module, kernels_in_use: bool) -> None:
             param.data = torch.empty(0, dtype=param.dtype)  # the values live in the blocks
         del param.gguf_shards  # type: ignore[attr-defined]
     if native:
-        logger.info("GGUF weights kept in their formats: %s", dict(native))
+        logger.info("Quantized weights kept in their formats: %s", dict(native))
     if dense:
-        logger.info("GGUF weights de-quantized to %s (no CPU kernel for their type or layout "
-                    "here): %s", next(iter(params.values())).dtype, dict(dense))  # fmt: skip
+        logger.info("Quantized weights de-quantized to %s (no CPU kernel for their type or "
+                    "layout here): %s", next(iter(params.values())).dtype, dict(dense))  # fmt: skip
 
 
 def shards_types(param: torch.Tensor) -> str:
-    import gguf
-
-    names = sorted({gguf.GGMLQuantizationType(s.qtype).name for _, s in param.gguf_shards})  # type: ignore[attr-defined]
+    names = sorted({s.type_name for _, s in param.gguf_shards})  # type: ignore[attr-defined]
     return "+".join(names)
