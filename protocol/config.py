@@ -676,22 +676,28 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
 
 
 # The checkpoint formats `quantization` takes (worker/layers/quantization/).
-QUANTIZATION_METHODS = ("gguf", "awq", "gptq")
+QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "int8")
 
 
 def _quantization(value: str | None, path: str, hf: dict[str, Any]) -> str | None:
     """The checkpoint's format: "gguf" where the folder holds a GGUF file, "awq" or "gptq"
-    as config.json's quantization_config names it (the user may name either); formats still
-    to come are refused by name."""
+    as config.json's quantization_config names it (the user may name either); "int8" (W8A8,
+    quantized at load) where the user asks it of an unquantized checkpoint."""
     gguf = (Path(path) / "model.gguf").exists()
     _check(value is None or value in QUANTIZATION_METHODS, "quantization", value,
-           f"one of {list(QUANTIZATION_METHODS)} (int8 is not built yet)")  # fmt: skip
+           f"one of {list(QUANTIZATION_METHODS)}")  # fmt: skip
     _check(value != "gguf" or gguf, "quantization", value,
            "a GGUF model (a .gguf file, or a folder made from one)")  # fmt: skip
+    _check(not gguf or value in (None, "gguf"), "quantization", value,
+           "gguf (or unset) for a GGUF model")  # fmt: skip
     if gguf:
         return "gguf"
     stored = (hf.get("quantization_config") or {}).get("quant_method")
     stored = str(stored).lower() if stored is not None else None
+    if value == "int8":
+        _check(stored is None, "quantization", value,
+               f"unset for a checkpoint already quantized ({stored})")  # fmt: skip
+        return value
     if value is not None and stored != value:
         # (vLLM's words)
         raise ValueError(
@@ -829,7 +835,8 @@ ENGINE_ARG_HELP = {
     "loaded rank a prefix-holding rank may be and still get the request",
     "load_format": "auto (the checkpoint) or dummy (random weights)",
     "quantization": "how the checkpoint's weights are stored and run: gguf (automatic for a "
-    "GGUF model), awq or gptq (int4; automatic from config.json's quantization_config)",
+    "GGUF model), awq or gptq (int4; automatic from config.json's quantization_config), int8 "
+    "(W8A8: weights quantized per channel at load, activations per token)",
     "device": "auto, cpu or cuda",
     "attention_backend": "TRITON_ATTN, CPU_ATTN or TORCH_SDPA (default by device)",
     "enforce_eager": "no CUDA graphs",

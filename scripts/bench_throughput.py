@@ -102,6 +102,7 @@ def start_tokenmill(
     tp: int,
     overlap: str,
     dtype: str,
+    quantization: str = "none",
 ):
     start = time.perf_counter()
     from tokenmill import LLM, SamplingParams
@@ -116,6 +117,7 @@ def start_tokenmill(
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=dtype,
         device=args.device,
+        quantization=None if quantization == "none" else quantization,
         skip_tokenizer_init=True,  # token-id prompts; nothing to detokenize
     )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -284,6 +286,13 @@ def main() -> None:
         help="one tokenmill engine per setting given",
     )
     parser.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["none"],
+        help="one tokenmill engine per setting given: none (the checkpoint as it is; a GGUF "
+        "model's own format), int8 (W8A8), ...",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="alternating runs per engine; the best is reported"
     )
     parser.add_argument(
@@ -333,9 +342,11 @@ def main() -> None:
     modes = ["inproc", "mp"] if args.mode == "both" else [args.mode]
     sizes = args.tensor_parallel_size
     overlaps = args.async_scheduling
+    quants = args.quantization
     engines_spec = [
-        (mode, tp, a, d) for mode in modes for tp in sizes for a in overlaps for d in dtypes
-    ]
+        (mode, tp, a, d, q)
+        for mode in modes for tp in sizes for a in overlaps for d in dtypes for q in quants
+    ]  # fmt: skip
     names = [
         "tokenmill ("
         + ", ".join(
@@ -343,15 +354,16 @@ def main() -> None:
             + ([f"tp={tp}"] if len(sizes) > 1 or tp > 1 else [])
             + ([f"async {a}"] if len(overlaps) > 1 else [])
             + ([d] if len(dtypes) > 1 else [])
+            + ([q] if len(quants) > 1 or q != "none" else [])
         )
         + ")"
-        for mode, tp, a, d in engines_spec
+        for mode, tp, a, d, q in engines_spec
     ]
     # Engines start one at a time, so that each start-up is measured alone.
     startup: dict[str, float] = {}
     engines = []
-    for (mode, tp, a, d), name in zip(engines_spec, names):
-        llm, startup[name] = start_tokenmill(args, workload, mode == "mp", tp, a, d)
+    for (mode, tp, a, d, q), name in zip(engines_spec, names):
+        llm, startup[name] = start_tokenmill(args, workload, mode == "mp", tp, a, d, q)
         engines.append(llm)
     peers = start_peers(args, workload, model_path, dtype, device, threads)
     for peer, (engine_proc, _) in peers.items():

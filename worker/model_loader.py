@@ -75,6 +75,10 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
         gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels())
     else:
         load_weights(model, _iter_safetensors(Path(model_config.model)))
+        if model_config.quantization == "int8":
+            from tokenmill.worker.layers.quantization import int8
+
+            int8.finalize(model, kernels_in_use=platform_of(device).cpu_kernels())
     platform_of(device).prepare_model(model)
     return model.eval()
 

@@ -95,6 +95,9 @@ class PackedGGUF:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return gguf_linear(x, self, bias)
+
 
 def repack(raw: torch.Tensor, qtype: int, perm: torch.Tensor | None = None) -> PackedGGUF:
     """A GGUF tensor's rows [N, K / 32 * block bytes] in the kernel's layout."""

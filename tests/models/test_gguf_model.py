@@ -71,8 +71,10 @@ def test_quantization_is_checked_by_name(tiny_model) -> None:
     path = str(tiny_model("llama-gqa"))
     with pytest.raises(ValueError, match="quantization.*GGUF model"):
         LLM(path, quantization="gguf", skip_tokenizer_init=True)
-    with pytest.raises(ValueError, match="quantization.*not built yet"):
-        LLM(path, quantization="int8", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="quantization must be one of.*got 'fp4'"):
+        LLM(path, quantization="fp4", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="quantization must be gguf \\(or unset\\) for a GGUF"):
+        LLM(str(default_gguf_file()), quantization="int8", skip_tokenizer_init=True)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.protocol.utils import cdiv
-from tokenmill.worker.layers.linear import Loaded, gguf_matmul, load_rows, matmul
+from tokenmill.worker.layers.linear import Loaded, load_rows, matmul, quantized_matmul
 from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -71,7 +71,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.qweight is not None:
-            logits = tp_all_gather(gguf_matmul(hidden, self.qweight, None), dim=-1)
+            logits = tp_all_gather(quantized_matmul(hidden, self.qweight, None), dim=-1)
         else:
             logits = tp_all_gather(matmul(hidden, self.weight), dim=-1)
         return logits[..., : self.vocab_size]

@@ -144,13 +144,12 @@ def load_rows(param: nn.Parameter, loaded: Loaded, offset: int = 0) -> None:
     default_weight_loader(param.data if whole else param.data.narrow(0, offset, rows), loaded)
 
 
-def gguf_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T (+ bias) on a GGUF weight in the CPU kernels' layout; fp16 runs in fp32."""
-    from tokenmill.kernels.cpu.gguf import gguf_linear
-
+def quantized_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ bias) on a quantized weight (a GGUF or int4 one in the CPU kernels' blocks,
+    an int8 one: each has its own `linear`); fp16 runs in fp32."""
     if x.dtype not in (torch.bfloat16, torch.float32):
-        return gguf_linear(x.float(), qweight, bias).to(x.dtype)
-    return gguf_linear(x, qweight, bias)
+        return qweight.linear(x.float(), bias).to(x.dtype)
+    return qweight.linear(x, bias)
 
 
 class LinearBase(nn.Module):
@@ -171,7 +170,7 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweight is not None:
-            return gguf_matmul(x, self.qweight, bias)
+            return quantized_matmul(x, self.qweight, bias)
         return matmul(x, self.weight, bias)
 
     def _shard(self, param: nn.Parameter, loaded: Loaded) -> Loaded:

@@ -38,6 +38,7 @@ class DecodePlan:
 
 def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
     """The plan for these layers, or None where one of them cannot run in the call."""
+    from tokenmill.kernels.cpu.gguf import PackedGGUF
     from tokenmill.kernels.cpu.linear import fuses_silu_mul
     from tokenmill.worker.attention.cpu_backend import CpuAttentionBackend
     from tokenmill.worker.models.llama import LlamaDecoderLayer, LlamaMLP
@@ -65,7 +66,9 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
             or any(p.qweight is None and (p.weight.dim() < 3 or p.weight.dtype != dtype)
                    for p in projections)  # fmt: skip
             or (mlp.gate_up_proj.qweight is None and not fuses_silu_mul(mlp.gate_up_proj.weight))
-            or any(p.qweight is not None and p.qweight.perm is not None for p in projections)
+            or any(p.qweight is not None and (not isinstance(p.qweight, PackedGGUF)
+                                              or p.qweight.perm is not None)
+                   for p in projections)  # fmt: skip
         ):
             return None
         weights += [norms[0].weight, projections[0].weight, projections[1].weight,

@@ -30,6 +30,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const c10::optional<at::Tensor>& m, int64_t qtype,
                        const c10::optional<at::Tensor>& bias);
 
+// int8_linear.cpp: W8A8, x @ W^T (+ bias) with x quantized per row to int8 in the call and W
+// per output column at load (kernels/cpu/int8.py) into qweight, scales and colsum.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& colsum, const c10::optional<at::Tensor>& bias);
+
 // rms_norm.cpp: RMSNorm of x (after residual += x, in place, when given).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const c10::optional<at::Tensor>& residual);
