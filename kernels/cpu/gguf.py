@@ -98,6 +98,32 @@ class PackedGGUF:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return gguf_linear(x, self, bias)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 rows `ids` [T] of the weight, [T, K], as `dequantize` gives them (a tied
+        embedding's lookup in its LM head's blocks)."""
+        n, k = self.shape
+        blocks, t = k // BLOCK, ids.numel()
+        group, column = ids // GROUP, ids % GROUP
+        qs = self.qs[group]  # [T, blocks, pairs, 32]: word j is column j // 2 at k parity j % 2
+        words = torch.stack((2 * column, 2 * column + 1), dim=-1).view(t, 1, 1, 2)
+        picked = qs.gather(3, words.expand(t, blocks, qs.shape[2], 2))  # [T, blocks, pairs, 2]
+        if self.qtype == Q8_0:
+            q = picked.view(torch.int8).reshape(t, k).float()
+        else:  # byte row pp holds pair 2pp in its low nibbles, 2pp + 1 in its high ones
+            q = torch.stack((picked & 0xF, picked >> 4), dim=3).reshape(t, k).float()
+
+        def per_block(s: torch.Tensor) -> torch.Tensor:
+            at = column.view(t, 1, 1).expand(t, blocks, 1)
+            return s[group].gather(2, at).view(t, blocks).float().repeat_interleave(BLOCK, dim=1)
+
+        scale = per_block(self.d)
+        if self.qtype == Q4_0:
+            return scale * (q - 8)
+        if self.qtype == Q4_Z:
+            return scale * (q - per_block(self.m))
+        w = scale * q
+        return w + per_block(self.m) if self.qtype == Q4_1 else w
+
 
 def repack(raw: torch.Tensor, qtype: int, perm: torch.Tensor | None = None) -> PackedGGUF:
     """A GGUF tensor's rows [N, K / 32 * block bytes] in the kernel's layout."""

@@ -66,6 +66,14 @@ def test_q4_z_dequantizes_as_scale_times_q_minus_zero() -> None:
     assert torch.equal(G.dequantize(raw, G.Q4_Z), (d * (q - z)).view(16, 64))
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: G.NAMES[t])
+def test_packed_rows_equal_the_dequantized_rows(qtype: int) -> None:
+    raw = random_blocks(qtype, 128, 96, seed=11 + qtype)
+    ids = torch.tensor([0, 5, 17, 127, 64, 5, 33])
+    got = G.repack(raw, qtype).rows(ids)
+    assert torch.equal(got, G.dequantize(raw, qtype)[ids])
+
+
 def test_repack_refuses_shapes_the_kernels_do_not_take() -> None:
     assert not G.supported(G.Q4_0, (48, 64)) and G.supported(G.Q4_0, (64, 64))
     with pytest.raises(ValueError, match="does not fit"):

@@ -18,10 +18,12 @@ from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_gat
 
 class VocabParallelEmbedding(nn.Module):
     # Set by GGUF's finalize (worker/layers/quantization/gguf.py): the table as the file's
-    # rows of blocks and their type (lookups de-quantize their rows), and, for an LM head,
-    # the weight in the CPU kernels' layout. The weight parameter is then empty.
+    # rows of blocks and their type (lookups de-quantize their rows), or, tied to a quantized
+    # LM head, that head's blocks (`gguf_packed`); for an LM head, the weight in the CPU
+    # kernels' layout. The weight parameter is then empty.
     gguf_rows: torch.Tensor | None = None
     gguf_type: int | None = None
+    gguf_packed = None
     qweight = None
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -43,14 +45,16 @@ class VocabParallelEmbedding(nn.Module):
             )
         # The last rank's slice may run past the vocabulary: its padding rows stay zero.
         rows = max(min(self.vocab_per_rank, self.vocab_size - self.vocab_start), 0)
-        if getattr(loaded, "quantized", False):
-            param.data.zero_()
+        if getattr(loaded, "quantized", False):  # (finalize zeroes the padding if it de-quantizes)
             load_rows(param, loaded.narrow(0, self.vocab_start, rows))
             return
         param.data.zero_()
         param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_packed is not None:
+            rows = self.gguf_packed.rows(ids.reshape(-1))
+            return rows.to(self.weight.dtype).view(*ids.shape, -1)
         if self.gguf_rows is None:
             return F.embedding(ids, self.weight)
         from tokenmill.worker.layers.quantization.gguf import dequantize

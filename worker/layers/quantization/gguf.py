@@ -220,20 +220,31 @@ def finalize(model: nn.Module, kernels_in_use: bool) -> None:
         raw, qtype, perm = whole if whole is not None else (None, None, None)
         shape = (param.shape[0], param.shape[1])
         needs_dense = False
-        for module in modules:
-            matmul = isinstance(module, (LinearBase, ParallelLMHead))
+        packed = None
+
+        def is_matmul(module: nn.Module) -> bool:
+            return isinstance(module, (LinearBase, ParallelLMHead))
+
+        # Matmuls first: a tied embedding then looks its rows up in its LM head's blocks
+        # rather than keep a second copy.
+        for module in sorted(modules, key=lambda m: not is_matmul(m)):
             if raw is None:
                 needs_dense = True
-            elif matmul and kernels_in_use and kernels.supported(qtype, shape):
-                module.qweight = kernels.repack(raw, qtype, perm)
-            elif matmul:
+            elif is_matmul(module) and kernels_in_use and kernels.supported(qtype, shape):
+                packed = packed or kernels.repack(raw, qtype, perm)
+                module.qweight = packed
+            elif is_matmul(module):
                 needs_dense = True
-            elif kernels_in_use and perm is None:  # an embedding looks its rows up in the file's blocks
-                module.gguf_rows, module.gguf_type = raw, qtype
+            elif kernels_in_use and perm is None:  # an embedding looks its rows up in blocks
+                if packed is not None:
+                    module.gguf_packed = packed
+                else:
+                    module.gguf_rows, module.gguf_type = raw, qtype
             else:  # (on CUDA the table is the device's dense weight)
                 needs_dense = True
         name = kernels.NAMES.get(qtype) if qtype is not None else None
         if needs_dense:
+            param.data.zero_()  # (a TP rank's padding rows past the vocabulary)
             for offset, shard in param.gguf_shards:  # type: ignore[attr-defined]
                 param.data[offset : offset + shard.shape[0]].copy_(shard.load())
             dense[name or shards_types(param)] += 1
