@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK_N = 64  # output columns per block of the kernel's layout
+QTYPE = 2000  # an int8 projection's entry in decode_layers' qtypes (GGUF's are GGML type ids)
 
 
 def supported(shape: tuple[int, int]) -> bool:

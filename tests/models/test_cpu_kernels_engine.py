@@ -56,7 +56,7 @@ def test_kernels_and_the_torch_path_give_the_same_greedy_tokens(smollm2_path, mo
 @pytest.mark.parametrize(
     "model, dtype",
     [("smollm2", "bfloat16"), ("smollm2", "float32"), ("qwen2", "bfloat16"),
-     ("mistral-window", "bfloat16"), ("smollm2-q4_1", "bfloat16")],
+     ("mistral-window", "bfloat16"), ("smollm2-q4_1", "bfloat16"), ("smollm2-int8", "bfloat16")],
 )  # fmt: skip
 def test_decode_steps_as_one_call_give_the_layer_by_layer_results_bit_for_bit(
     smollm2_path, tiny_model, monkeypatch, model, dtype
@@ -64,7 +64,8 @@ def test_decode_steps_as_one_call_give_the_layer_by_layer_results_bit_for_bit(
     """A decode step's layers as one call of the kernels (worker/models/cpu_decode.py) run the
     same kernels in the same order: the same tokens and log-probabilities, exactly. SmolLM2 in
     both dtypes, Qwen2's q/k/v biases, Mistral's sliding window (random small models), and
-    SmolLM2 from its Q4_1 GGUF file (three requests: the few-row GGUF kernel)."""
+    SmolLM2 from its Q4_1 GGUF file (three requests: the few-row GGUF kernel), and SmolLM2
+    with int8 W8A8."""
     if not cpu.load(envs.TOKENMILL_CACHE):
         pytest.skip("the CPU kernels cannot be built here")
     if model == "smollm2-q4_1":
@@ -72,12 +73,13 @@ def test_decode_steps_as_one_call_give_the_layer_by_layer_results_bit_for_bit(
 
         path = str(default_gguf_file())
     else:
-        path = smollm2_path if model == "smollm2" else str(tiny_model(model))
+        path = smollm2_path if model.startswith("smollm2") else str(tiny_model(model))
     text = model.startswith("smollm2")
+    quantization = "int8" if model == "smollm2-int8" else None
 
     def run() -> tuple[list, bool]:
         llm = LLM(path, dtype=dtype, multiprocess=False, max_model_len=512,
-                  kv_cache_memory_bytes=64 << 20,
+                  kv_cache_memory_bytes=64 << 20, quantization=quantization,
                   skip_tokenizer_init=not text)  # fmt: skip
         try:
             if text:

@@ -6,7 +6,8 @@
 // result is the layer-by-layer one bit for bit. On 2 AMX cores one request's decode (SmolLM2
 // bf16) went 16.4 -> 12.4 ms a token; 64 requests (W1-cpu) 6% faster. A projection whose
 // qtypes entry is not 0 is a GGUF weight (its qs, d and m in `quant`; gguf_linear, and
-// SiLU-and-mul after the gate/up product, as the layers run it).
+// SiLU-and-mul after the gate/up product, as the layers run it), or, with qtype kInt8, an
+// int8 W8A8 one (its qweight, scales and colsum; int8_linear).
 #include <ATen/ATen.h>
 
 #include <tuple>
@@ -17,6 +18,7 @@
 namespace tokenmill {
 
 namespace {
+constexpr int64_t kInt8 = 2000;  // kernels/cpu/int8.py's QTYPE
 constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate/up, down
 constexpr int64_t kBiasesPerLayer = 4;   // qkv, o, gate/up, down (each optional)
 constexpr int64_t kQuantPerProjection = 3;  // a GGUF weight's qs, d, m
@@ -59,6 +61,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       const int64_t p = l * kBiasesPerLayer + i;
       if (qtypes[p] == 0) return tokenmill::linear(in, w[weight], b);
       const int64_t q = p * kQuantPerProjection;
+      if (qtypes[p] == kInt8) {
+        return int8_linear(in, *quant.get(q), *quant.get(q + 1), *quant.get(q + 2), b);
+      }
       return gguf_linear(in, *quant.get(q), *quant.get(q + 1), quant.get(q + 2), qtypes[p], b);
     };
     if (l > 0) x = rms_norm(x, w[0], eps, residual);
