@@ -10,6 +10,17 @@ import torch
 import torch.nn.functional as F
 
 
+FP8_MAX = 448.0  # fp8 e4m3's largest finite value
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values as a KV cache of `dtype` stores them: an fp8 (e4m3) cache saturates at +-448
+    (torch's own conversion would make NaN past it) and rounds to nearest even below."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
 def write_kv_cache(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -17,8 +28,8 @@ def write_kv_cache(
     block_size = kv_cache.shape[2]
     for i, slot in enumerate(slot_mapping.tolist()):
         block, offset = divmod(slot, block_size)
-        kv_cache[block, 0, offset] = key[i]
-        kv_cache[block, 1, offset] = value[i]
+        kv_cache[block, 0, offset] = to_cache(key[i], kv_cache.dtype)
+        kv_cache[block, 1, offset] = to_cache(value[i], kv_cache.dtype)
 
 
 def paged_attention(

@@ -134,6 +134,10 @@ class ModelConfig:
         return max(w for w in windows if w is not None)
 
 
+# kv_cache_dtype's values (the element type: worker/attention/base.py's cache_torch_dtype).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -141,9 +145,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3" (vLLM's names): fp8 e4m3, 1 byte a value.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, "block_size", self.block_size, "a positive integer")
+        _check(self.cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.cache_dtype,
+               f"one of {list(KV_CACHE_DTYPES)} (fp8_e5m2 is not built)")  # fmt: skip
         _check(
             0.0 < self.gpu_memory_utilization <= 1.0,
             "gpu_memory_utilization",
@@ -406,6 +414,7 @@ class EngineArgs:
     async_scheduling: bool | None = None  # None: on with CUDA, off on the CPU (see README)
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -458,6 +467,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -554,6 +564,11 @@ def _device_config(args: EngineArgs, device: str) -> DeviceConfig:
         raise ValueError("attention_backend='TRITON_ATTN' needs triton (pip install triton)")
     if backend == "CPU_ATTN" and device != "cpu":
         raise ValueError(f"attention_backend='CPU_ATTN' runs on the CPU, not on {device}")
+    if args.kv_cache_dtype != "auto" and backend == "TRITON_ATTN":
+        raise ValueError(
+            f"kv_cache_dtype={args.kv_cache_dtype!r} is read by CPU_ATTN and TORCH_SDPA; "
+            "attention_backend='TRITON_ATTN' does not read fp8 caches yet"
+        )
     sizes = args.cudagraph_capture_sizes
     if sizes is None:
         # vLLM's default ladder: 1, 2, 4, then every 8 up to the largest decode batch.
@@ -817,6 +832,8 @@ ENGINE_ARG_HELP = {
     "async_scheduling": "schedule step N+1 while step N runs (default: on with CUDA)",
     "num_gpu_blocks_override": "this many KV blocks instead of what memory allows",
     "kv_cache_memory_bytes": "bytes for the KV cache instead of the memory fraction",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8 / fp8_e4m3: the KV cache in fp8 e4m3, "
+    "twice the tokens per GiB (scales 1.0, as vLLM's without calibrated ones)",
     "gpu_memory_utilization": "fraction of device memory the engine may use",
     "tensor_parallel_size": "ranks the model is sharded across",
     "distributed_executor_backend": "uni, mp, ray (workers as Ray actors, across nodes) or "

@@ -26,7 +26,7 @@ import torch
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.scheduler_output import KVCacheSpec
 from tokenmill.protocol.utils import cdiv
-from tokenmill.worker.attention.base import StepAttentionInputs
+from tokenmill.worker.attention.base import StepAttentionInputs, cache_torch_dtype
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.model_loader import get_model
@@ -44,6 +44,7 @@ class DraftModel:
         self.config = dataclasses.replace(config, model_config=spec.draft_model_config)
         self.device = device
         self.dtype = getattr(torch, self.config.model_config.dtype)
+        self.cache_dtype = cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
         self.backend = make_backend(self.config, device)
         self.model: torch.nn.Module | None = None
@@ -54,7 +55,9 @@ class DraftModel:
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         assert self.model is not None
-        return [a.kv_cache_spec(self.block_size, self.dtype) for a in self.model.attention_layers()]
+        return [
+            a.kv_cache_spec(self.block_size, self.cache_dtype) for a in self.model.attention_layers()
+        ]
 
     def allocate(self, num_blocks: int, zeroed) -> list[torch.Tensor]:
         assert self.model is not None
@@ -64,7 +67,7 @@ class DraftModel:
             shape = self.backend.kv_cache_shape(
                 num_blocks, self.block_size, attn.num_kv_heads, attn.head_size
             )
-            attn.kv_cache = zeroed(shape, self.dtype, self.device)
+            attn.kv_cache = zeroed(shape, self.cache_dtype, self.device)
             caches.append(attn.kv_cache)
         self.max_model_len = self.config.model_config.max_model_len
         return caches

@@ -26,7 +26,7 @@ from tokenmill.protocol.messages import LogprobsArrays
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenmill.protocol.threads import OrderedThread
 from tokenmill.protocol.utils import cdiv
-from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
+from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs, cache_torch_dtype
 from tokenmill.worker.attention.registry import backend_class
 from tokenmill.worker.draft_model import DraftModel
 from tokenmill.worker.forward_context import set_forward_context
@@ -52,6 +52,7 @@ class ModelRunner:
         self.device = device
         self.platform = platform_of(device)
         self.dtype = getattr(torch, config.model_config.dtype)
+        self.cache_dtype = cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
         self.use_triton = config.device_config.attention_backend == "TRITON_ATTN"
         self.attn_backend = make_attention_backend(config, device)
@@ -122,7 +123,9 @@ class ModelRunner:
 
     def _target_kv_cache_specs(self) -> list[KVCacheSpec]:
         assert self.model is not None
-        return [a.kv_cache_spec(self.block_size, self.dtype) for a in self.model.attention_layers()]
+        return [
+            a.kv_cache_spec(self.block_size, self.cache_dtype) for a in self.model.attention_layers()
+        ]
 
     def initialize_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
         """Allocates the cache under the config as the core settled it (its max_model_len
@@ -139,7 +142,7 @@ class ModelRunner:
             shape = self.attn_backend.kv_cache_shape(
                 num_blocks, self.block_size, attn.num_kv_heads, attn.head_size
             )
-            cache = zeroed_tensor(shape, self.dtype, self.device)
+            cache = zeroed_tensor(shape, self.cache_dtype, self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
         if self.drafter is not None:

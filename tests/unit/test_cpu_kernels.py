@@ -214,19 +214,30 @@ def test_rotary_is_the_torch_path_bit_for_bit(isa, dtype, d) -> None:
 
 # ----------------------------------------------------------------------- attention
 def _filled_cache(blocks: int, block_size: int, kv_heads: int, d: int, dtype) -> torch.Tensor:
-    return torch.randn(blocks, 2, block_size, kv_heads, d).to(dtype)
+    from tokenmill.kernels.reference import to_cache
+
+    return to_cache(torch.randn(blocks, 2, block_size, kv_heads, d), dtype)
 
 
+# The cache in the queries' dtype, or in fp8 (e4m3: kv_cache_dtype="fp8") beside them.
+CACHES = ["same", "fp8"]
+
+
+def _cache_dtype(cache: str, dtype: torch.dtype) -> torch.dtype:
+    return dtype if cache == "same" else torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("cache_kind", CACHES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_decode_attention_equals_the_reference(isa, dtype, group, d) -> None:
+def test_decode_attention_equals_the_reference(isa, dtype, group, d, cache_kind) -> None:
     from tokenmill.kernels.cpu.attention import decode_attention
     from tokenmill.kernels.reference import paged_attention
 
     torch.manual_seed(group * d)
     kv_heads, block_size = 2, 16
-    cache = _filled_cache(64, block_size, kv_heads, d, dtype)
+    cache = _filled_cache(64, block_size, kv_heads, d, _cache_dtype(cache_kind, dtype))
     # Odd lengths, one shorter than a block, one long enough to be split across threads;
     # requests share blocks (a prefix hit) and the table is wider than any of them.
     seq_lens = [1, 17, 300, 45, 129]
@@ -257,16 +268,17 @@ def test_decode_attention_splits_and_merges_a_long_context_for_one_request(isa) 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_kind", CACHES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_prefill_attention_equals_the_reference(isa, dtype, group, d) -> None:
+def test_prefill_attention_equals_the_reference(isa, dtype, group, d, cache_kind) -> None:
     from tokenmill.kernels.cpu.attention import prefill_attention
     from tokenmill.kernels.reference import paged_attention
 
     torch.manual_seed(group * d + 1)
     kv_heads, block_size = 2, 16
-    cache = _filled_cache(64, block_size, kv_heads, d, dtype)
+    cache = _filled_cache(64, block_size, kv_heads, d, _cache_dtype(cache_kind, dtype))
     # Whole prompts (one of a single token, one longer than a query block and a key chunk),
     # later chunks after earlier context (odd lengths, not on block edges), a verify-sized
     # chunk of 4, requests sharing blocks (a prefix hit); the table is wider than any.
@@ -307,17 +319,21 @@ def test_prefill_attention_writes_only_its_rows() -> None:
         prefill_attention(out, query, cache, table, torch.tensor([0, 5]), torch.tensor([60]), 0.1)
 
 
+@pytest.mark.parametrize("cache_kind", CACHES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kv_cache_write_equals_the_reference(dtype) -> None:
+def test_kv_cache_write_equals_the_reference(dtype, cache_kind) -> None:
     from tokenmill.kernels.cpu.attention import kv_cache_write
     from tokenmill.kernels.reference import write_kv_cache
 
-    cache = torch.zeros(8, 2, 16, 3, 64, dtype=dtype)
+    cache = torch.zeros(8, 2, 16, 3, 64, dtype=_cache_dtype(cache_kind, dtype))
     want = cache.clone()
     key, value = torch.randn(5, 3, 64).to(dtype), torch.randn(5, 3, 64).to(dtype)
+    # fp8's extremes: past its largest value (saturated), its smallest subnormal and below,
+    # a tie between two fp8 values (to even)
+    key[0, 0, :6] = torch.tensor([1e4, -600.0, 2.0**-9, 2.0**-11, 1.0625, -3.75])
     slots = torch.tensor([0, 17, 18, 127, 64])
     kv_cache_write(cache, key, value, slots)
     write_kv_cache(want, key, value, slots)
-    assert torch.equal(cache, want)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))  # bit for bit
     with pytest.raises(RuntimeError, match="slot"):
         kv_cache_write(cache, key[:1], value[:1], torch.tensor([128]))

@@ -28,6 +28,13 @@ class StepAttentionInputs:
     dtype: torch.dtype  # the model's activations
 
 
+def cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for kv_cache_dtype: the model's ("auto"), or fp8 e4m3
+    ("fp8", "fp8_e4m3"): values saturate at +-448 and round to nearest even; scales are 1.0,
+    as vLLM's where the checkpoint has no calibrated ones."""
+    return model_dtype if cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 class AttentionBackend(ABC):
     """A backend is registered by name (registry.py) and says what it supports; the model
     runner and the draft model allocate each layer's cache in its `kv_cache_shape`."""

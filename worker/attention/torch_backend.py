@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels.reference import to_cache
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 from tokenmill.worker.staging import to_device
@@ -212,8 +213,8 @@ class TorchAttentionBackend(AttentionBackend):
         # The memory-profiling run comes before the cache exists: it has no context to read.
         if kv_cache.numel():
             flat = kv_cache.view(-1, num_kv_heads, head_size)
-            flat.index_copy_(0, metadata.write_k_idx, key)
-            flat.index_copy_(0, metadata.write_v_idx, value)
+            _bytes(flat).index_copy_(0, metadata.write_k_idx, _bytes(to_cache(key, flat.dtype)))
+            _bytes(flat).index_copy_(0, metadata.write_v_idx, _bytes(to_cache(value, flat.dtype)))
             # The cache as pages of [bs, kvh, d]: block b's keys are page 2b, its values 2b + 1.
             # Copies select pages of this contiguous view (10-25% faster than blocks of the
             # strided K or V halves).
@@ -226,10 +227,11 @@ class TorchAttentionBackend(AttentionBackend):
         for group in metadata.decode_groups:
             g, first, n = group.size, group.start, group.size * group.num_blocks
             # [n, bs, kvh, d] copies of the group's contexts, viewed as [g, kvh, len, d].
-            k = torch.index_select(pages, 0, group.key_pages, out=k_scratch[:n])
-            v = torch.index_select(pages, 0, group.value_pages, out=v_scratch[:n])
-            k = k.view(g, -1, num_kv_heads, head_size).transpose(1, 2)
-            v = v.view(g, -1, num_kv_heads, head_size).transpose(1, 2)
+            k, v = k_scratch[:n], v_scratch[:n]
+            torch.index_select(_bytes(pages), 0, group.key_pages, out=_bytes(k))
+            torch.index_select(_bytes(pages), 0, group.value_pages, out=_bytes(v))
+            k = k.view(g, -1, num_kv_heads, head_size).transpose(1, 2).to(query.dtype)
+            v = v.view(g, -1, num_kv_heads, head_size).transpose(1, 2).to(query.dtype)
             # One query token per request (see decode_query_per_head): each head a row of its
             # own, or the heads sharing a KV head as query rows.
             q = query[first : first + g]
@@ -305,10 +307,13 @@ def attend_prefills(
         s = span.seq_len
         if span.key_pages is None:
             k, v = key[span.start : span.end], value[span.start : span.end]
+            if pages is not None and pages.dtype != key.dtype:  # as the cache holds them
+                k, v = to_cache(k, pages.dtype), to_cache(v, pages.dtype)
         else:
             assert pages is not None
-            k = pages.index_select(0, span.key_pages).flatten(0, 1)[:s]
-            v = pages.index_select(0, span.key_pages + 1).flatten(0, 1)[:s]
+            k = _bytes(pages).index_select(0, span.key_pages).view(pages.dtype).flatten(0, 1)[:s]
+            v = _bytes(pages).index_select(0, span.key_pages + 1).view(pages.dtype).flatten(0, 1)[:s]
+        k, v = k.to(query.dtype), v.to(query.dtype)  # (an fp8 cache's values, widened)
         mask = None  # causal over its own tokens
         if span.key_pages is not None or (window is not None and window < n):
             q_pos = torch.arange(s - n, s, device=q.device)[:, None]
@@ -319,6 +324,11 @@ def attend_prefills(
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = _attend(q, k, v, scale, softcap, mask, causal=mask is None)
         out[span.start : span.end] = o[0].transpose(0, 1)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache's bytes (torch's CPU copies take no fp8 elements); others as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def decode_query_per_head(dtype: torch.dtype, group_size: int) -> bool:

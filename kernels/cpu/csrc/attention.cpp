@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -350,6 +351,17 @@ TOKENMILL_AVX512_TARGET void attend_heads_avx512(const void* q, bool, int64_t kv
                                       last, scale, softcap, acc, parts);
 }
 
+TOKENMILL_AVX512_TARGET void attend_heads_avx512(const void* q, bool, int64_t kv_heads,
+                                                 int64_t group, int64_t d,
+                                                 const at::Float8_e4m3fn* cache,
+                                                 const int64_t* blocks, int64_t block_size,
+                                                 int64_t first, int64_t last, float scale,
+                                                 float softcap, float* acc, Part* parts) {
+  attend_heads_avx512_d<at::Float8_e4m3fn, false>(q, kv_heads, group, d, cache, blocks,
+                                                  block_size, first, last, scale, softcap, acc,
+                                                  parts);
+}
+
 // The portable builds (AVX2, plain x86-64; AVX-512 runs attend_heads_avx512).
 TOKENMILL_ISA_VARIANTS(attend_part, (const float* q, int64_t group, int64_t d,
                                      const at::BFloat16* cache, const int64_t* blocks,
@@ -365,16 +377,33 @@ TOKENMILL_ISA_VARIANTS(attend_part, (const float* q, int64_t group, int64_t d,
                                      Part& part),
                        (q, group, d, cache, blocks, block_size, kv_heads, kv_head, first, last,
                         softcap, acc, part))
+TOKENMILL_ISA_VARIANTS(attend_part, (const float* q, int64_t group, int64_t d,
+                                     const at::Float8_e4m3fn* cache, const int64_t* blocks,
+                                     int64_t block_size, int64_t kv_heads, int64_t kv_head,
+                                     int64_t first, int64_t last, float softcap, float* acc,
+                                     Part& part),
+                       (q, group, d, cache, blocks, block_size, kv_heads, kv_head, first, last,
+                        softcap, acc, part))
 
-template <typename T>
-void write_rows(T* cache, const T* key, const T* value, const int64_t* slots, int64_t tokens,
+// A step's rows into their slots; an fp8 cache takes them rounded (saturating at +-448).
+template <typename C, typename T>
+void write_rows(C* cache, const T* key, const T* value, const int64_t* slots, int64_t tokens,
                 int64_t block_size, int64_t row) {
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-    T* k = cache + (block * 2 * block_size + offset) * row;
-    std::copy(key + t * row, key + (t + 1) * row, k);
-    std::copy(value + t * row, value + (t + 1) * row, k + block_size * row);
-  }
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      C* k = cache + (block * 2 * block_size + offset) * row;
+      if constexpr (std::is_same<C, T>::value) {
+        std::copy(key + t * row, key + (t + 1) * row, k);
+        std::copy(value + t * row, value + (t + 1) * row, k + block_size * row);
+      } else {
+        for (int64_t i = 0; i < row; ++i) {
+          k[i] = from_float<C>(to_float(key[t * row + i]));
+          k[block_size * row + i] = from_float<C>(to_float(value[t * row + i]));
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -388,17 +417,28 @@ void kv_cache_write(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   const at::Tensor k = key.contiguous(), v = value.contiguous();
   const at::Tensor s = slots.to(at::kLong).contiguous();
   const int64_t tokens = s.numel();
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(k.numel() == tokens * row && v.numel() == tokens * row &&
-                  k.scalar_type() == kv_cache.scalar_type() &&
-                  v.scalar_type() == kv_cache.scalar_type(),
-              "kv_cache_write: key/value must be [T, kv_heads, d] in the cache's dtype");
+                  k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == kv_cache.scalar_type() ||
+                   (fp8 && (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat))),
+              "kv_cache_write: key/value must be [T, kv_heads, d] in the cache's dtype (or, for "
+              "an fp8 cache, bf16 or fp32)");
   const int64_t capacity = kv_cache.size(0) * block_size;
   const int64_t* sp = s.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "kv_cache_write: slot ", sp[t],
                 " outside the cache's ", capacity);
   }
-  if (kv_cache.scalar_type() == at::kBFloat16) {
+  if (fp8) {
+    auto* cache = kv_cache.data_ptr<at::Float8_e4m3fn>();
+    if (k.scalar_type() == at::kBFloat16) {
+      write_rows(cache, k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), sp, tokens,
+                 block_size, row);
+    } else {
+      write_rows(cache, k.data_ptr<float>(), v.data_ptr<float>(), sp, tokens, block_size, row);
+    }
+  } else if (kv_cache.scalar_type() == at::kBFloat16) {
     write_rows(kv_cache.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(),
                v.data_ptr<at::BFloat16>(), sp, tokens, block_size, row);
   } else {
@@ -423,8 +463,12 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
               "decode_attention: ", heads, " query heads do not group over ", kv_heads,
               " KV heads (at most ", kMaxGroup, " per KV head)");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(),
-              "decode_attention: query and cache dtypes differ");
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() ||
+                  (fp8 && (query.scalar_type() == at::kBFloat16 ||
+                           query.scalar_type() == at::kFloat)),
+              "decode_attention: query and cache dtypes differ (an fp8 cache takes bf16 or "
+              "fp32 queries)");
   const int64_t group = heads / kv_heads;
   const at::Tensor table = block_table.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
@@ -486,7 +530,11 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       }
       if (avx512) {
         const void* qb = static_cast<const char*>(q.data_ptr()) + b * heads * d * q.element_size();
-        if (kv_cache.scalar_type() == at::kBFloat16) {
+        if (fp8) {
+          attend_heads_avx512(qb, false, kv_heads, group, d,
+                              kv_cache.data_ptr<at::Float8_e4m3fn>(), blocks, block_size, lo, hi,
+                              score_scale, cap, job_acc, job_stats);
+        } else if (kv_cache.scalar_type() == at::kBFloat16) {
           attend_heads_avx512(qb, pairs, kv_heads, group, d, kv_cache.data_ptr<at::BFloat16>(),
                               blocks, block_size, lo, hi, score_scale, cap, job_acc, job_stats);
         } else {
@@ -498,7 +546,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       for (int64_t h = 0; h < kv_heads; ++h) {
         float* a = job_acc + h * group * d;
         const float* qh = q.data_ptr<float>() + (b * heads + h * group) * d;
-        if (kv_cache.scalar_type() == at::kBFloat16) {
+        if (fp8) {
+          attend_part(qh, group, d, kv_cache.data_ptr<at::Float8_e4m3fn>(), blocks, block_size,
+                      kv_heads, h, lo, hi, cap, a, job_stats[h]);
+        } else if (kv_cache.scalar_type() == at::kBFloat16) {
           attend_part(qh, group, d, kv_cache.data_ptr<at::BFloat16>(), blocks, block_size,
                       kv_heads, h, lo, hi, cap, a, job_stats[h]);
         } else {

@@ -334,8 +334,19 @@ void pack_chunk(const Pages<T>& pages, int64_t first, int64_t keys, int64_t widt
         dst[2 * i + 1] = v1 != nullptr ? v1[i] : from_float<C>(0.f);
       }
     }
+  } else if (vnni) {  // bf16 products of another cache type (fp8): widened, then paired
+    for (int64_t j = 0; j < keys; ++j) {
+      const T* k = pages.key(first + j);
+      const T* v = pages.value(first + j);
+      for (int64_t i = 0; i < d; ++i) {
+        kp[((i / 2) * width + j) * 2 + i % 2] = as<C>(k[i]);
+        vp[((j / 2) * d + i) * 2 + j % 2] = as<C>(v[i]);
+      }
+    }
+    if (keys % 2) {  // the last pair's second key: zero
+      for (int64_t i = 0; i < d; ++i) vp[((keys / 2) * d + i) * 2 + 1] = from_float<C>(0.f);
+    }
   } else {
-    TORCH_CHECK(!vnni, "prefill_attention: the paired layout is for bf16 products");
     for (int64_t j = 0; j < keys; ++j) {
       const T* k = pages.key(first + j);
       const T* v = pages.value(first + j);
@@ -355,7 +366,8 @@ struct Task {
   int64_t request, kv_head, first_query;  // first_query: within the request's chunk
 };
 
-template <typename C, typename T>
+// C: the products' type, T: the queries' and outputs', K: the cache's (T's own, or fp8).
+template <typename C, typename T, typename K = T>
 void run_tasks(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor& query,
                const at::Tensor& kv_cache, const int64_t* table, int64_t width_blocks,
                const int64_t* starts, const int64_t* lens, float scale, int64_t window,
@@ -365,7 +377,7 @@ void run_tasks(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor
   const int64_t group = heads / kv_heads, q_stride = query.stride(0), o_stride = out.stride(0);
   const T* q_all = query.data_ptr<T>();
   T* out_all = out.data_ptr<T>();
-  const T* cache = kv_cache.data_ptr<T>();
+  const K* cache = kv_cache.data_ptr<K>();
   // Threads take the tasks (longest first, see prefill_attention) one at a time as they
   // finish the one before: their costs differ by the requests' lengths.
   std::atomic<int64_t> next{0};
@@ -390,10 +402,10 @@ void run_tasks(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor
       const int64_t chunks = (last - origin + kKeyChunk - 1) / kKeyChunk;
       kp.resize(chunks * kKeyChunk * d);
       vp.resize(chunks * kKeyChunk * d);
-      const Pages<T> pages{cache, table + b * width_blocks, block_size, kv_heads * d, h, d};
+      const Pages<K> pages{cache, table + b * width_blocks, block_size, kv_heads * d, h, d};
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t k0 = origin + c * kKeyChunk, keys = std::min(kKeyChunk, last - k0);
-        pack_chunk<C, T>(pages, k0, keys, kKeyChunk, vnni, kp.data() + c * kKeyChunk * d,
+        pack_chunk<C, K>(pages, k0, keys, kKeyChunk, vnni, kp.data() + c * kKeyChunk * d,
                          vp.data() + c * kKeyChunk * d);
       }
       for (int64_t q0 = task.first_query; q0 < task.first_query + task_queries;
@@ -465,9 +477,10 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
               "prefill_attention: the cache must be a contiguous [blocks, 2, block_size, "
               "kv_heads, d]");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((query.scalar_type() == kv_cache.scalar_type() || fp8) &&
                   (query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kFloat),
-              "prefill_attention: query and cache must both be bf16 or fp32");
+              "prefill_attention: query and cache must both be bf16 or fp32 (or the cache fp8)");
   const int64_t heads = query.size(1), d = query.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == d && d % 2 == 0, "prefill_attention: head size ", d,
@@ -506,7 +519,17 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
                    [&](const Task& a, const Task& b) { return cost(a) > cost(b); });
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t* tb = table.data_ptr<int64_t>();
-  if (query.scalar_type() == at::kFloat) {
+  using F8 = at::Float8_e4m3fn;
+  if (fp8 && query.scalar_type() == at::kFloat) {
+    run_tasks<float, float, F8>(tasks, out, query, kv_cache, tb, width_blocks, s, len, sc, window,
+                                cap, false);
+  } else if (fp8 && cpu_isa() >= 1) {
+    run_tasks<at::BFloat16, at::BFloat16, F8>(tasks, out, query, kv_cache, tb, width_blocks, s,
+                                              len, sc, window, cap, true);
+  } else if (fp8) {
+    run_tasks<float, at::BFloat16, F8>(tasks, out, query, kv_cache, tb, width_blocks, s, len, sc,
+                                       window, cap, false);
+  } else if (query.scalar_type() == at::kFloat) {
     run_tasks<float, float>(tasks, out, query, kv_cache, tb, width_blocks, s, len, sc, window,
                             cap, false);
   } else if (cpu_isa() >= 1) {  // oneDNN's bf16 microkernel needs AVX-512

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -33,6 +34,15 @@ TOKENMILL_AVX512_INLINE __m512 load(const at::BFloat16* p) {
 }
 TOKENMILL_AVX512_INLINE __m512 load(const at::BFloat16* p, __mmask16 m) {
   return widen(_mm256_maskz_loadu_epi16(m, p));
+}
+// 16 fp8 (e4m3) values, exactly: a value's exponent and mantissa bits moved into an fp16's
+// (bias 15 against 7) stand for it times 2^-8, subnormals included, so the fp16 widened to
+// fp32 and times 256 is the value.
+TOKENMILL_AVX512_INLINE __m512 load(const at::Float8_e4m3fn* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)), _mm512_set1_ps(256.f));
 }
 
 // The bf16 bits of 16 floats in the low halves of 32-bit lanes: round to nearest even, a NaN

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <cstdint>
 #include <algorithm>
@@ -49,6 +50,9 @@ TOKENMILL_INLINE float to_float(at::BFloat16 h) {
 
 TOKENMILL_INLINE float to_float(float f) { return f; }
 
+// An fp8 (e4m3) KV cache's element: exact in fp32.
+TOKENMILL_INLINE float to_float(at::Float8_e4m3fn v) { return static_cast<float>(v); }
+
 TOKENMILL_INLINE uint16_t bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
@@ -66,6 +70,13 @@ TOKENMILL_INLINE float from_float<float>(float f) {
 template <>
 TOKENMILL_INLINE at::BFloat16 from_float<at::BFloat16>(float f) {
   return at::BFloat16(bf16_bits(f), at::BFloat16::from_bits());
+}
+// fp8 e4m3 saturates at its largest finite value, 448 (c10's conversion would give NaN past
+// it), rounding to nearest even below: `x.clamp(-448, 448).to(torch.float8_e4m3fn)`.
+constexpr float kFp8Max = 448.f;
+template <>
+TOKENMILL_INLINE at::Float8_e4m3fn from_float<at::Float8_e4m3fn>(float f) {
+  return at::Float8_e4m3fn(std::min(kFp8Max, std::max(-kFp8Max, f)));
 }
 
 // A value rounded to the element type and back (torch's elementwise ops on bf16 round each
