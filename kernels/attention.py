@@ -13,10 +13,13 @@ limit. With `num_splits > 1` (flash-decoding, meant for decodes) the context of 
 is cut into that many equal parts, one program each; they write partial outputs and their
 log-sum-exp, and `_combine_splits` merges them, so that a few long requests still fill the GPU.
 
-`FP32_DOT` (fp32 caches, and the interpreter, where 16-bit arithmetic is not exact) upcasts
-every operand after loading and multiplies in IEEE fp32 (no tensor cores: on a GPU its tiles
-are kept to 32 x 32 so that they fit in shared memory without spilling); otherwise the dots
-run in the cache's 16-bit type with fp32 accumulation, and scores are scaled in fp32.
+`FP32_DOT` (fp32 queries or caches, and the interpreter, where 16-bit arithmetic is not
+exact) upcasts every operand after loading and multiplies in IEEE fp32 (no tensor cores: on a
+GPU its tiles are kept to 32 x 32 so that they fit in shared memory without spilling);
+otherwise the dots run in the queries' 16-bit type with fp32 accumulation, and scores are
+scaled in fp32. An fp8 (e4m3) cache (kv_cache_dtype="fp8") is widened to the queries' type as
+it is loaded; its values are rounded by torch as they are written (saturating at +-448,
+reference.to_cache), and the write kernel copies their bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.launches import count_launch
+from tokenmill.kernels.reference import to_cache
 
 
 @triton.jit
@@ -74,6 +78,10 @@ def reshape_and_cache(
     """Writes token i's key and value ([T, kv_heads, d], any row stride) into cache slot
     slot_mapping[i] (block slot // block_size, offset slot % block_size); slot -1 skips it."""
     num_tokens, kv_heads, head_size = key.shape
+    if kv_cache.dtype == torch.float8_e4m3fn:  # torch rounds; the kernel copies bytes
+        key = to_cache(key, kv_cache.dtype).view(torch.uint8)
+        value = to_cache(value, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.is_contiguous()
     elems = triton.next_power_of_2(kv_heads * head_size)
     block_t = max(1, min(16, 2048 // elems))  # about 2K elements of K (and V) per program
@@ -198,7 +206,7 @@ def _paged_attention_kernel(
         if FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale
         else:
-            s = tl.dot(q, k) * scale
+            s = tl.dot(q, k.to(q.dtype)) * scale  # (.to: an fp8 cache widened)
         if HAS_SOFTCAP:  # tanh(x) = 2 / (1 + exp(-2x)) - 1, finite at both ends
             s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
@@ -218,7 +226,7 @@ def _paged_attention_kernel(
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -329,7 +337,11 @@ def paged_attention(
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     assert query.stride(2) == 1 and out.stride(2) == 1 and kv_cache.is_contiguous()
-    fp32_dot = kv_cache.dtype == torch.float32 or query.device.type == "cpu"
+    fp32_dot = (
+        kv_cache.dtype == torch.float32
+        or query.dtype == torch.float32
+        or query.device.type == "cpu"
+    )
     if block_n is None:
         block_n = 32 if fp32_dot and query.device.type == "cuda" else 64
     split = num_splits > 1

@@ -564,11 +564,6 @@ def _device_config(args: EngineArgs, device: str) -> DeviceConfig:
         raise ValueError("attention_backend='TRITON_ATTN' needs triton (pip install triton)")
     if backend == "CPU_ATTN" and device != "cpu":
         raise ValueError(f"attention_backend='CPU_ATTN' runs on the CPU, not on {device}")
-    if args.kv_cache_dtype != "auto" and backend == "TRITON_ATTN":
-        raise ValueError(
-            f"kv_cache_dtype={args.kv_cache_dtype!r} is read by CPU_ATTN and TORCH_SDPA; "
-            "attention_backend='TRITON_ATTN' does not read fp8 caches yet"
-        )
     sizes = args.cudagraph_capture_sizes
     if sizes is None:
         # vLLM's default ladder: 1, 2, 4, then every 8 up to the largest decode batch.

@@ -194,3 +194,16 @@ def test_profile_run_includes_the_draft_models_forwards(tiny_model) -> None:
         hook.remove()
     assert tokens_seen == [64, 4]  # the token budget's prefill, then max_num_seqs decodes
     assert all(a.kv_cache.numel() == 0 for a in runner.drafter.model.attention_layers())
+
+
+def test_fp8_kv_cache_triton_engine_matches_torch_engine(tiny_model, monkeypatch) -> None:
+    """kv_cache_dtype="fp8": the Triton kernels write and read the e4m3 cache as the torch
+    backend does (chunked prefill, preemption, prefix hits, split decodes): the same greedy
+    tokens."""
+    monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")
+    model = str(tiny_model("llama-gqa"))
+    fp8 = dict(kv_cache_dtype="fp8")
+    expected, torch_stats = run(model, "TORCH_SDPA", engine=fp8)
+    tokens, stats = run(model, "TRITON_ATTN", engine=fp8, min_split_tokens=16)
+    assert tokens == expected
+    assert stats["num_preemptions"] == torch_stats["num_preemptions"] > 0, stats

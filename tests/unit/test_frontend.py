@@ -87,8 +87,6 @@ def test_unknown_model_is_a_clear_error(tmp_path) -> None:
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "max_num_batched_tokens"),
         (dict(tensor_parallel_size=2), "a divisor of the model's 9 attention heads"),
         (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype must be one of .* got 'fp8_e5m2'"),
-        (dict(kv_cache_dtype="fp8", attention_backend="TRITON_ATTN"),
-         "TRITON_ATTN' does not read fp8 caches yet"),
     ],
 )
 def test_engine_args_name_the_bad_field(smollm2_path: str, kwargs, message: str) -> None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers import require_triton
 
 from tokenmill.kernels.reference import paged_attention as reference_attention
-from tokenmill.kernels.reference import write_kv_cache
+from tokenmill.kernels.reference import to_cache, write_kv_cache
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.layers.activation import SiluAndMul
 from tokenmill.worker.layers.layernorm import RMSNorm
@@ -40,7 +40,8 @@ def poisoned(like: torch.Tensor) -> torch.Tensor:
     return torch.full_like(like, float("nan"), device=DEVICE)
 
 
-def paged_batch(query_lens, seq_lens, block_size, kv_heads, head_size, dtype, seed=0):
+def paged_batch(query_lens, seq_lens, block_size, kv_heads, head_size, dtype, seed=0,
+                cache_dtype=None):  # fmt: skip
     """Requests with disjoint random blocks (never block 0), their earlier context already in
     the cache, this step's K/V not yet written; the table rows padded with block 0."""
     g = torch.Generator().manual_seed(seed)
@@ -48,7 +49,7 @@ def paged_batch(query_lens, seq_lens, block_size, kv_heads, head_size, dtype, se
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     tables = [[perm.pop() for _ in range(cdiv(s, block_size))] for s in seq_lens]
     cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_size, generator=g)
-    cache = cache.to(dtype)
+    cache = to_cache(cache, cache_dtype or dtype)
     slots = torch.tensor(
         [
             t[p // block_size] * block_size + p % block_size
@@ -72,19 +73,24 @@ def tiles(query_lens, block_q, first_req=0):
     return torch.tensor(req, dtype=torch.int32), torch.tensor(q, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache-same", "cache-fp8"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "heads, kv_heads, head_size, block_size",
     [(4, 2, 32, 16), (6, 1, 16, 16), (4, 4, 24, 32)],  # GQA 2, GQA 6 (padded), MHA, d=24
 )
-def test_cache_write_and_attention_match_reference(heads, kv_heads, head_size, block_size, dtype):
+def test_cache_write_and_attention_match_reference(
+    heads, kv_heads, head_size, block_size, dtype, fp8
+):
     # Two decodes (ragged, the first with a partly filled last block), then a chunked prefill
-    # continuing 20 tokens of context, then a fresh prompt.
+    # continuing 20 tokens of context, then a fresh prompt. fp8: the cache in e4m3
+    # (kv_cache_dtype="fp8"), written bit for bit as torch rounds.
     query_lens = [1, 1, 13, 21]
     seq_lens = [37, 9, 33, 21]
     tables, cache, slots, block_table, g = paged_batch(
-        query_lens, seq_lens, block_size, kv_heads, head_size, dtype
-    )
+        query_lens, seq_lens, block_size, kv_heads, head_size, dtype,
+        cache_dtype=torch.float8_e4m3fn if fp8 else None,
+    )  # fmt: skip
     total = sum(query_lens)
     query = torch.randn(total, heads, head_size, generator=g).to(dtype)
     # Keys/values as strided views of a fused qkv tensor, as the model passes them.
@@ -102,7 +108,9 @@ def test_cache_write_and_attention_match_reference(heads, kv_heads, head_size, b
     triton_attention.reshape_and_cache(
         torch.cat((key, pad)).to(DEVICE), torch.cat((value, pad)).to(DEVICE), cache, slot_mapping
     )
-    assert torch.equal(cache.cpu(), expected_cache), "cache write differs (or wrote slot -1)"
+    assert torch.equal(cache.cpu().view(torch.uint8), expected_cache.view(torch.uint8)), (
+        "cache write differs (or wrote slot -1)"
+    )
 
     query_start = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
