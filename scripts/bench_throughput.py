@@ -103,6 +103,7 @@ def start_tokenmill(
     overlap: str,
     dtype: str,
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ):
     start = time.perf_counter()
     from tokenmill import LLM, SamplingParams
@@ -118,6 +119,7 @@ def start_tokenmill(
         dtype=dtype,
         device=args.device,
         quantization=None if quantization == "none" else quantization,
+        kv_cache_dtype=kv_cache_dtype,
         skip_tokenizer_init=True,  # token-id prompts; nothing to detokenize
     )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -293,6 +295,12 @@ def main() -> None:
         "model's own format), int8 (W8A8), ...",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        help="one tokenmill engine per setting given: auto (the model's dtype), fp8",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="alternating runs per engine; the best is reported"
     )
     parser.add_argument(
@@ -342,10 +350,11 @@ def main() -> None:
     modes = ["inproc", "mp"] if args.mode == "both" else [args.mode]
     sizes = args.tensor_parallel_size
     overlaps = args.async_scheduling
-    quants = args.quantization
+    quants, caches = args.quantization, args.kv_cache_dtype
     engines_spec = [
-        (mode, tp, a, d, q)
+        (mode, tp, a, d, q, c)
         for mode in modes for tp in sizes for a in overlaps for d in dtypes for q in quants
+        for c in caches
     ]  # fmt: skip
     names = [
         "tokenmill ("
@@ -355,15 +364,16 @@ def main() -> None:
             + ([f"async {a}"] if len(overlaps) > 1 else [])
             + ([d] if len(dtypes) > 1 else [])
             + ([q] if len(quants) > 1 or q != "none" else [])
+            + ([f"kv {c}"] if len(caches) > 1 or c != "auto" else [])
         )
         + ")"
-        for mode, tp, a, d, q in engines_spec
+        for mode, tp, a, d, q, c in engines_spec
     ]
     # Engines start one at a time, so that each start-up is measured alone.
     startup: dict[str, float] = {}
     engines = []
-    for (mode, tp, a, d, q), name in zip(engines_spec, names):
-        llm, startup[name] = start_tokenmill(args, workload, mode == "mp", tp, a, d, q)
+    for (mode, tp, a, d, q, c), name in zip(engines_spec, names):
+        llm, startup[name] = start_tokenmill(args, workload, mode == "mp", tp, a, d, q, c)
         engines.append(llm)
     peers = start_peers(args, workload, model_path, dtype, device, threads)
     for peer, (engine_proc, _) in peers.items():

@@ -101,6 +101,24 @@ def int8_linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None =
     return y.view(*shape[:-1], y.shape[-1])
 
 
+def fuses_silu_mul(weight: PackedInt8) -> bool:
+    """Whether `int8_linear_silu_mul` takes this gate/up weight: on the kernel, its halves
+    whole blocks of columns."""
+    return weight.kernel and (weight.shape[0] // 2) % BLOCK_N == 0 and weight.shape[0] % 2 == 0
+
+
+def int8_linear_silu_mul(
+    x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """silu(gate) * up of a gated MLP's [gate; up] weight, [..., K] -> [..., N / 2]: the same
+    values as silu_and_mul(int8_linear(x, weight, bias)), without the [..., N] product."""
+    shape = x.shape
+    y = torch.ops.tokenmill.int8_linear_silu_mul(
+        x.reshape(-1, shape[-1]), weight.qweight, weight.scales, weight.colsum, bias
+    )
+    return y.view(*shape[:-1], y.shape[-1])
+
+
 def reference_linear(
     x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None = None, exact: bool = True
 ) -> torch.Tensor:

@@ -95,3 +95,18 @@ def test_without_the_kernel_the_reference_runs_in_fp32() -> None:
     x = torch.randn(5, 96)
     got = packed.linear(x)
     torch.testing.assert_close(got, I.reference_linear(x, packed), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_linear_silu_mul_is_silu_and_mul_of_int8_linear_bit_for_bit(isa, dtype) -> None:
+    from tokenmill.kernels.cpu.layers import silu_and_mul
+
+    inter, k = 128, 96
+    packed = I.pack(torch.randn(2 * inter, k))
+    assert I.fuses_silu_mul(packed) and not I.fuses_silu_mul(I.pack(torch.randn(192, k)))
+    bias = torch.randn(2 * inter).to(dtype)
+    for m in (1, 5, 64, 300):
+        x = activations(m, k, seed=m).to(dtype)
+        got = I.int8_linear_silu_mul(x, packed, bias)
+        want = silu_and_mul(I.int8_linear(x, packed, bias))
+        assert got.shape == (m, inter) and torch.equal(got, want), m

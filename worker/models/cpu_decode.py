@@ -41,6 +41,7 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
     from tokenmill.kernels.cpu.gguf import PackedGGUF
     from tokenmill.kernels.cpu.int8 import QTYPE as INT8_QTYPE
     from tokenmill.kernels.cpu.int8 import PackedInt8
+    from tokenmill.kernels.cpu.int8 import fuses_silu_mul as int8_fuses_silu_mul
     from tokenmill.kernels.cpu.linear import fuses_silu_mul
 
     def runs_in_loop(q) -> bool:  # GGUF blocks in x's own feature order, int8 on the kernel
@@ -74,6 +75,8 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
                    for p in projections)  # fmt: skip
             or (mlp.gate_up_proj.qweight is None and not fuses_silu_mul(mlp.gate_up_proj.weight))
             or any(p.qweight is not None and not runs_in_loop(p.qweight) for p in projections)
+            or (isinstance(mlp.gate_up_proj.qweight, PackedInt8)
+                and not int8_fuses_silu_mul(mlp.gate_up_proj.qweight))
         ):
             return None
         weights += [norms[0].weight, projections[0].weight, projections[1].weight,

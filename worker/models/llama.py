@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tokenmill.kernels.cpu import int8
 from tokenmill.kernels.cpu.linear import fuses_silu_mul, linear_silu_mul
 from tokenmill.protocol.config import ModelConfig
 from tokenmill.worker.attention.base import AttentionBackend
@@ -101,6 +102,10 @@ class LlamaMLP(nn.Module):
         # pass, no [.., 2 * inter] product.
         if self.act_fn.kind == "cpu" and weight.dtype == x.dtype and fuses_silu_mul(weight):
             return self.down_proj(linear_silu_mul(x, weight, gate_up.bias))
+        q = gate_up.qweight
+        if (self.act_fn.kind == "cpu" and isinstance(q, int8.PackedInt8) and int8.fuses_silu_mul(q)
+                and x.dtype in (torch.bfloat16, torch.float32)):  # fmt: skip
+            return self.down_proj(int8.int8_linear_silu_mul(x, q, gate_up.bias))
         return self.down_proj(self.act_fn(gate_up(x)))
 
 

@@ -82,9 +82,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     x = project(attn.view({batch, num_heads * head}), 1, 2, c10::nullopt);
     if (const auto b = bias(1); b.has_value()) x = x + *b;
     x = rms_norm(x, w[3], eps, residual);
-    const at::Tensor act = qtypes[l * kBiasesPerLayer + 2] == 0
-                               ? tokenmill::linear_silu_mul(x, w[4], bias(2))
-                               : silu_and_mul(project(x, 2, 4, bias(2)));
+    const int64_t gate_up = l * kBiasesPerLayer + 2, gq = gate_up * kQuantPerProjection;
+    const at::Tensor act =
+        qtypes[gate_up] == 0       ? tokenmill::linear_silu_mul(x, w[4], bias(2))
+        : qtypes[gate_up] == kInt8 ? int8_linear_silu_mul(x, *quant.get(gq), *quant.get(gq + 1),
+                                                          *quant.get(gq + 2), bias(2))
+                                   : silu_and_mul(project(x, 2, 4, bias(2)));
     x = project(act, 3, 5, c10::nullopt);
     if (const auto b = bias(3); b.has_value()) x = x + *b;
   }

@@ -34,6 +34,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 // per output column at load (kernels/cpu/int8.py) into qweight, scales and colsum.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& colsum, const c10::optional<at::Tensor>& bias);
+// silu_and_mul(int8_linear(...)) of a gated MLP's gate/up weight, without the [.., 2n] product.
+at::Tensor int8_linear_silu_mul(const at::Tensor& x, const at::Tensor& qweight,
+                                const at::Tensor& scales, const at::Tensor& colsum,
+                                const c10::optional<at::Tensor>& bias);
 
 // rms_norm.cpp: RMSNorm of x (after residual += x, in place, when given).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,

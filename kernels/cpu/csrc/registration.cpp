@@ -12,6 +12,9 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("linear_silu_mul(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, int qtype, Tensor? bias) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor colsum, Tensor? bias) -> Tensor");
+  m.def(
+      "int8_linear_silu_mul(Tensor x, Tensor qweight, Tensor scales, Tensor colsum, Tensor? bias) "
+      "-> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
@@ -35,6 +38,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("linear_silu_mul", &tokenmill::linear_silu_mul);
   m.impl("gguf_linear", &tokenmill::gguf_linear);
   m.impl("int8_linear", &tokenmill::int8_linear);
+  m.impl("int8_linear_silu_mul", &tokenmill::int8_linear_silu_mul);
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
   m.impl("rotary_embedding", &tokenmill::rotary_embedding);
