@@ -14,19 +14,23 @@
 #      sampling on the GPU) with async scheduling off and on, in-process and across processes;
 #   w1: W1 throughput on the Qwen3-0.6B shape with dummy weights, async scheduling off and on
 #      (alternating), HF on the first 64 requests, with tokenmill's per-step time split;
+#   quant: the Triton quantized matmuls (GGUF blocks, int4 Q4_Z, W8A8) against their torch
+#      references, compiled on the GPU; an int4 checkpoint on them against HF, int8 W8A8 on
+#      them against the torch arithmetic, the fp8 KV cache through Triton attention; then W1
+#      on the Qwen3-0.6B shape with dummy weights, bf16 against int8 W8A8 and an fp8 cache;
 #   spec: speculative decoding: the rejection sampler's distribution test and the greedy
 #      equality tests (tiny random models, TP=1, async scheduling off and on) on CUDA, then
 #      bench_spec_decode.py on the Qwen3-0.6B shape with dummy weights (W1-cpu; the draft is
 #      the target's shape with the same dummy weights, so nearly every proposal is accepted).
 # `scripts/gpu_check.sh` runs them all, in that order; `scripts/gpu_check.sh tests moe` runs
-# those named. The steps' time limits (300, 240, 150, 360, 400 s) add up to more than one
-# 10-minute device call: `tests moe` fit one, `steps w1` another and `spec` a third (a
-# 15-minute lease, its start included, has room for about two).
+# those named. The steps' time limits (300, 240, 150, 360, 300, 400 s) add up to more than
+# one 10-minute device call: `tests moe` fit one, `steps w1` another, `quant` and `spec` one
+# each (a 15-minute lease, its start included, has room for about two).
 # Logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-ALL_STEPS="tests moe steps w1 spec"
+ALL_STEPS="tests moe steps w1 quant spec"
 STEPS=${*:-$ALL_STEPS}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 for step in $STEPS; do
@@ -81,6 +85,23 @@ if wants w1; then
   timeout 360 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
     --load-format dummy --workload W1 --max-num-batched-tokens 8192 --compare hf \
     --hf-requests 64 --async-scheduling off on --step-times 2>&1 | grep -v Warning | tee "$OUT/bench_qwen3_w1.log" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if wants quant; then
+  echo "== quantized matmuls (Triton) and the fp8 KV cache on CUDA"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider \
+    tests/unit/test_triton_quantized.py \
+    "tests/unit/test_triton_kernels.py::test_cache_write_and_attention_match_reference" \
+    tests/models/test_int4_model.py::test_int4_checkpoint_on_triton_matmuls_matches_hf \
+    tests/models/test_int8_model.py::test_int8_on_triton_matmuls_matches_the_torch_reference \
+    tests/models/test_triton_backend.py::test_fp8_kv_cache_triton_engine_matches_torch_engine \
+    2>&1 | tee "$OUT/pytest_quant.log" | tail -15
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "== W1, Qwen3-0.6B shape, dummy weights, bf16: unquantized, int8 W8A8, fp8 KV cache"
+  timeout 150 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
+    --load-format dummy --workload W1 --quantization none int8 --kv-cache-dtype auto fp8 \
+    2>&1 | grep -v Warning | tee "$OUT/bench_quant_w1.log" | tail -12
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -65,22 +65,33 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
         from tokenmill.worker.layers.quantization import gguf
 
         load_weights(model, gguf.iter_gguf_weights(Path(model_config.model) / gguf.GGUF_FILE, model))
-        gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels())
+        gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels(),
+                      triton=_triton_matmuls(device))  # fmt: skip
     elif model_config.quantization in ("awq", "gptq"):
         from tokenmill.worker.layers.quantization import gguf, int4
 
         folder = Path(model_config.model)
         load_weights(model, int4.iter_int4_weights(_iter_safetensors(folder), folder,
                                                    model_config.quantization))  # fmt: skip
-        gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels())
+        gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels(),
+                      triton=_triton_matmuls(device))  # fmt: skip
     else:
         load_weights(model, _iter_safetensors(Path(model_config.model)))
         if model_config.quantization == "int8":
             from tokenmill.worker.layers.quantization import int8
 
-            int8.finalize(model, kernels_in_use=platform_of(device).cpu_kernels())
+            int8.finalize(model, kernels_in_use=platform_of(device).cpu_kernels(),
+                          triton=_triton_matmuls(device))  # fmt: skip
     platform_of(device).prepare_model(model)
     return model.eval()
+
+
+def _triton_matmuls(device: torch.device) -> bool:
+    """Whether quantized layers run Triton's matmuls (kernels/quantized.py): on CUDA, with
+    triton installed."""
+    import importlib.util
+
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:

@@ -62,8 +62,10 @@ class PackedInt8:
     scales: torch.Tensor  # fp32 [N]
     colsum: torch.Tensor  # int32 [N]: each column's sum of q
 
-    # Whether the CPU kernel runs the product; otherwise `reference_linear` (in fp32) does.
+    # Whether the CPU kernel runs the product; otherwise Triton's (kernels/quantized.py, on
+    # CUDA) or `reference_linear` (in fp32) does.
     kernel: bool = True
+    triton: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +74,10 @@ class PackedInt8:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel:
             return int8_linear(x, self, bias)
+        if self.triton:
+            from tokenmill.kernels.quantized import int8_matmul
+
+            return int8_matmul(x, self, bias)
         return reference_linear(x, self, bias, exact=False)
 
     def dequantized(self) -> torch.Tensor:
@@ -81,7 +87,7 @@ class PackedInt8:
         return q.float() * self.scales.unsqueeze(-1)
 
 
-def pack(weight: torch.Tensor, kernel: bool = True) -> PackedInt8:
+def pack(weight: torch.Tensor, kernel: bool = True, triton: bool = False) -> PackedInt8:
     """weight [N, K] (any float dtype) quantized and laid out for `int8_linear`."""
     n, k = weight.shape
     if not supported((n, k)):
@@ -89,7 +95,7 @@ def pack(weight: torch.Tensor, kernel: bool = True) -> PackedInt8:
     q, scales = quantize_rows(weight)
     # [block, column, k / 4, 4] -> [block, k / 4, column, 4]
     packed = q.view(n // BLOCK_N, BLOCK_N, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return PackedInt8((n, k), packed, scales, q.sum(dim=-1, dtype=torch.int32), kernel)
+    return PackedInt8((n, k), packed, scales, q.sum(dim=-1, dtype=torch.int32), kernel, triton)
 
 
 def int8_linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:

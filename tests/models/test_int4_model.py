@@ -166,6 +166,40 @@ def test_int4_checkpoint_matches_hf_on_its_dequantized_weights(
             assert math.isclose(got, float(want[i, t]), abs_tol=LOGPROB_TOLERANCE), (i, got)
 
 
+def test_int4_checkpoint_on_triton_matmuls_matches_hf(tmp_path, monkeypatch) -> None:
+    """The layers' blocks multiplied by Triton's kernel (kernels/quantized.py), as on CUDA;
+    here in the interpreter (slow: short prompts, few tokens), on the act-order checkpoint."""
+    pytest.importorskip("triton")
+    from tokenmill.worker import model_loader
+
+    monkeypatch.setattr(model_loader, "_triton_matmuls", lambda device: True)
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")
+    hf = write_checkpoint(tmp_path / "ckpt", "gptq", 32, True)
+    prompts = [[5, 9, 200, 31], list(range(40, 76))]
+    llm = LLM(str(tmp_path / "ckpt"), dtype="float32", skip_tokenizer_init=True,
+              kv_cache_memory_bytes=16 << 20)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        layer = llm.llm_engine.client.engine_core.executor.worker.model_runner.model
+        kinds = {type(m.qweight).__name__ for m in layer.modules() if getattr(m, "qweight", None)}
+        assert kinds == {"TritonGGUF"}, kinds
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outputs):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+        ids = out.outputs[0].token_ids
+        assert ids == ref[0, len(prompt) :].tolist()
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        want = torch.log_softmax(logits.float(), dim=-1)
+        for i, t in enumerate(ids):
+            got = out.outputs[0].logprobs[i][t].logprob
+            assert math.isclose(got, float(want[i, t]), abs_tol=LOGPROB_TOLERANCE), (i, got)
+
+
 def test_quantization_named_against_the_checkpoint(tmp_path) -> None:
     write_checkpoint(tmp_path / "ckpt", "awq", 128, False)
     with pytest.raises(ValueError, match=r"model config \(awq\) does not match.*\(gptq\)"):

@@ -55,3 +55,34 @@ def test_int8_w8a8_log_probabilities_stay_near_bf16(smollm2_path: str) -> None:
     mean, p95 = float(diff.mean()), float(diff.quantile(0.95))
     print(f"int8 W8A8 against bf16: mean |d logprob| {mean:.4f}, 95th percentile {p95:.4f}")
     assert mean <= MEAN_TOLERANCE and p95 <= P95_TOLERANCE, (mean, p95)
+
+
+def test_int8_on_triton_matmuls_matches_the_torch_reference(tiny_model, monkeypatch) -> None:
+    """W8A8 through Triton's kernel (kernels/quantized.py), as on CUDA (here interpreted),
+    against the same arithmetic in torch (no CPU kernels either way): the same greedy tokens
+    and log-probabilities (int32 sums against fp32 ones of the same integers)."""
+    pytest.importorskip("triton")
+    from tokenmill.worker import model_loader
+
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")
+    path = str(tiny_model("llama-gqa"))
+    prompts = [{"prompt_token_ids": [5, 9, 200, 31]}, {"prompt_token_ids": list(range(40, 70))}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    results = {}
+    for triton in (False, True):
+        monkeypatch.setattr(model_loader, "_triton_matmuls", lambda device, on=triton: on)
+        llm = LLM(path, quantization="int8", dtype="float32", skip_tokenizer_init=True,
+                  kv_cache_memory_bytes=16 << 20)  # fmt: skip
+        try:
+            results[triton] = llm.generate(prompts, params, use_tqdm=False)
+            model = llm.llm_engine.client.engine_core.executor.worker.model_runner.model
+            flags = {m.qweight.triton for m in model.modules() if getattr(m, "qweight", None)}
+            assert flags == {triton}, flags
+        finally:
+            llm.shutdown()
+    for a, b in zip(results[True], results[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for t, got, want in zip(a.outputs[0].token_ids, a.outputs[0].logprobs,
+                                b.outputs[0].logprobs):  # fmt: skip
+            assert abs(got[t].logprob - want[t].logprob) < 1e-4

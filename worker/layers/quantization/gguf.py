@@ -199,7 +199,7 @@ def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-def finalize(model: nn.Module, kernels_in_use: bool) -> None:
+def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> None:
     """Each quantized layer in its run-time form (see the module's doc)."""
     from tokenmill.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from tokenmill.worker.layers.linear import LinearBase
@@ -233,6 +233,13 @@ def finalize(model: nn.Module, kernels_in_use: bool) -> None:
             elif is_matmul(module) and kernels_in_use and kernels.supported(qtype, shape):
                 packed = packed or kernels.repack(raw, qtype, perm)
                 module.qweight = packed
+            elif is_matmul(module) and triton and qtype in kernels.BLOCK_BYTES:
+                # (CUDA: the rows of blocks on the device, for kernels/quantized.py)
+                from tokenmill.kernels.quantized import TritonGGUF
+
+                device = param.device
+                module.qweight = TritonGGUF(raw.to(device), qtype,
+                                            None if perm is None else perm.to(device))  # fmt: skip
             elif is_matmul(module):
                 needs_dense = True
             elif kernels_in_use and perm is None:  # an embedding looks its rows up in blocks
@@ -255,7 +262,7 @@ def finalize(model: nn.Module, kernels_in_use: bool) -> None:
     if native:
         logger.info("Quantized weights kept in their formats: %s", dict(native))
     if dense:
-        logger.info("Quantized weights de-quantized to %s (no CPU kernel for their type or "
+        logger.info("Quantized weights de-quantized to %s (no kernel for their type or "
                     "layout here): %s", next(iter(params.values())).dtype, dict(dense))  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from tokenmill.kernels.cpu import int8 as kernels
 logger = logging.getLogger(__name__)
 
 
-def finalize(model: nn.Module, kernels_in_use: bool) -> None:
+def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> None:
     """Every linear layer's weight quantized (see the module's doc)."""
     from tokenmill.worker.layers.linear import LinearBase
 
@@ -30,7 +30,7 @@ def finalize(model: nn.Module, kernels_in_use: bool) -> None:
         if weight.dim() != 2 or not kernels.supported(shape):
             kept += 1
             continue
-        module.qweight = kernels.pack(weight.data, kernel=kernels_in_use)
+        module.qweight = kernels.pack(weight.data, kernel=kernels_in_use, triton=triton)
         weight.data = weight.data.new_empty(0)  # the values live in the int8 copy
         quantized += 1
     logger.info("int8 W8A8: %d linear layers quantized per output column%s", quantized,
