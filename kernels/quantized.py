@@ -52,6 +52,15 @@ def _fp16_at(ptr, mask):
 
 
 @triton.jit
+def _fp32_at(ptr, mask):
+    """The fp32 stored little-endian at byte pointers `ptr`."""
+    word = tl.load(ptr, mask=mask, other=0).to(tl.uint32)
+    for i in tl.static_range(1, 4):
+        word = word | (tl.load(ptr + i, mask=mask, other=0).to(tl.uint32) << (8 * i))
+    return word.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _gguf_matmul_kernel(
     x_ptr,
     w_ptr,
@@ -63,7 +72,7 @@ def _gguf_matmul_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
-    QTYPE: tl.constexpr,  # GGML's id (2 Q4_0, 3 Q4_1, 8 Q8_0) or 1000 (Q4_Z)
+    QTYPE: tl.constexpr,  # GGML's id (2 Q4_0, 3 Q4_1, 8 Q8_0), 1000 (Q4_Z) or 1001 (Q4_F)
     BLOCK_BYTES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -80,18 +89,23 @@ def _gguf_matmul_kernel(
         x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + (b * 32 + j)[None, :],
                     mask=m_ok[:, None], other=0.0)  # fmt: skip
         block = rows + b * BLOCK_BYTES
-        d = _fp16_at(block, n_ok[:, None])  # [BLOCK_N, 1]
+        if QTYPE == 1001:
+            d = _fp32_at(block, n_ok[:, None])  # [BLOCK_N, 1]
+        else:
+            d = _fp16_at(block, n_ok[:, None])
         if QTYPE == 8:
             q = tl.load(block + 2 + j[None, :], mask=n_ok[:, None], other=0)
             w = d * q.to(tl.int8, bitcast=True).to(tl.float32)
         else:
-            first = 4 if (QTYPE == 3 or QTYPE == 1000) else 2
+            first = 8 if QTYPE == 1001 else 4 if (QTYPE == 3 or QTYPE == 1000) else 2
             byte = tl.load(block + first + (j % 16)[None, :], mask=n_ok[:, None], other=0)
             q = ((byte >> ((j // 16) * 4)[None, :].to(tl.uint8)) & 0xF).to(tl.float32)
             if QTYPE == 2:
                 w = d * (q - 8.0)
             elif QTYPE == 3:
                 w = d * q + _fp16_at(block + 2, n_ok[:, None])
+            elif QTYPE == 1001:
+                w = d * q + _fp32_at(block + 4, n_ok[:, None])
             else:
                 w = d * (q - _fp16_at(block + 2, n_ok[:, None]))
         w = tl.where(n_ok[:, None], w, 0.0)

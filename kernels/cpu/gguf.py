@@ -9,6 +9,10 @@ A GGUF tensor [N, K] of a block type is N rows of K / 32 blocks; a block holds 3
   Q4_Z: no GGML type but the int4 checkpoints' (AWQ, GPTQ: worker/layers/quantization/int4.py):
         Q4_1's bytes with an integer zero point z (exact in fp16) where Q4_1 has m;
         w = d * (q - z)
+  Q4_F: no GGML type either: fp32 d, fp32 m, 16 bytes of 4-bit q as Q4_0; w = d * q + m
+        (GGUF's Q4_K, rewritten exactly: its per-32 scale and minimum, an fp16 times a 6-bit
+        integer, need fp32)
+Other GGUF types become one of these where they can exactly: Q5_0 as Q8_0, Q4_K as Q4_F.
 `repack` turns those rows into the kernel's groups of 16 columns (csrc/gguf_linear.cpp says
 the layout); the bytes per weight stay the file's (0.56, 0.63, 1.06).
 """
@@ -20,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
-Q4_Z = 1000  # tokenmill's own id, beyond GGML's
+Q4_Z, Q4_F = 1000, 1001  # tokenmill's own ids, beyond GGML's
 BLOCK = 32  # weights per block
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_Z: 20}
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_Z: "Q4_Z"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_Z: 20, Q4_F: 24}
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_Z: "Q4_Z", Q4_F: "Q4_F"}
 GROUP = 16  # output columns per group of the kernel's layout
 # Columns the kernel's many-row path de-quantizes at a time: N must be a multiple.
 COLUMN_BLOCK = 64
@@ -53,6 +57,11 @@ def _fields(raw: torch.Tensor, qtype: int):
     """(d, m or None, q [N, K] as integers) of a GGUF tensor's rows."""
     blocks = _blocks(raw, qtype)
     n = blocks.shape[0]
+    if qtype == Q4_F:
+        d = blocks[..., 0:4].contiguous().view(torch.float32).squeeze(-1)
+        m = blocks[..., 4:8].contiguous().view(torch.float32).squeeze(-1)
+        nibbles = blocks[..., 8:]
+        return d, m, torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(n, -1)
     d = _half(blocks, 0)
     if qtype == Q8_0:
         return d, None, blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
@@ -60,6 +69,56 @@ def _fields(raw: torch.Tensor, qtype: int):
     nibbles = blocks[..., 4:] if m is not None else blocks[..., 2:]
     q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1)  # weights 0-15, then 16-31
     return d, m, q.reshape(n, -1)
+
+
+Q5_0 = 6  # GGML's id: fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles; w = d * (q - 16)
+Q5_0_BYTES = 22
+
+
+def q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_0 rows [N, K / 32 * 22] as Q8_0 rows [N, K / 32 * 34], the same weights exactly:
+    Q5_0's q - 16 (in [-16, 15]) are Q8_0's integers, its d Q8_0's scale. (Q5_0 fills most of
+    Gemma 3's Q4_K_M file; the kernels take Q8_0.)"""
+    n = raw.shape[0]
+    blocks = raw.contiguous().view(n, -1, Q5_0_BYTES)
+    high = blocks[..., 2:6].contiguous().view(torch.int32).to(torch.int64)  # [N, B, 1]
+    bit = (high >> torch.arange(32)) & 1  # weight j's fifth bit: bit j
+    nibbles = blocks[..., 6:].to(torch.int64)
+    q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1) | (bit << 4)  # weights 0-15, 16-31
+    out = torch.empty(n, blocks.shape[1], BLOCK_BYTES[Q8_0], dtype=torch.uint8)
+    out[..., 0:2] = blocks[..., 0:2]
+    out[..., 2:] = (q - 16).to(torch.int8).view(torch.uint8)
+    return out.view(n, -1)
+
+
+Q4_K = 12  # GGML's id: 256 weights: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and
+Q4_K_BYTES = 144  # minimums, 128 bytes of nibbles; w = d * sc * q - dmin * m per 32
+
+
+def q4_k_as_q4_f(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows [N, K / 256 * 144] as Q4_F rows [N, K / 32 * 24], the same weights exactly
+    (GGUF's arithmetic: the products d * sc and dmin * m exact in fp32, w = (d * sc) * q -
+    dmin * m, one rounding)."""
+    n = raw.shape[0]
+    blocks = raw.contiguous().view(n, -1, Q4_K_BYTES)
+    supers = blocks.shape[1]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    s = blocks[..., 4:16].to(torch.int32)  # [N, S, 12]
+    # Sub-block j's 6-bit scale and minimum (llama.cpp's get_scale_min_k4).
+    low_sc, low_m = s[..., 0:4] & 63, s[..., 4:8] & 63
+    high_sc = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    high_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    sc = torch.cat((low_sc, high_sc), dim=-1).float()  # [N, S, 8]
+    mn = torch.cat((low_m, high_m), dim=-1).float()
+    # Sub-blocks 2i and 2i + 1: the low and high nibbles of bytes [32 i, 32 i + 32).
+    qs = blocks[..., 16:].view(n, supers, 4, 32)
+    q = torch.stack((qs & 0xF, qs >> 4), dim=3).view(n, supers, 8, 32)  # [N, S, 8, 32]
+    out = torch.empty(n, supers, 8, BLOCK_BYTES[Q4_F], dtype=torch.uint8)
+    out[..., 0:4] = (d * sc).unsqueeze(-1).contiguous().view(torch.uint8)
+    out[..., 4:8] = (-(dmin * mn)).unsqueeze(-1).contiguous().view(torch.uint8)
+    out[..., 8:] = q[..., :16] | (q[..., 16:] << 4)
+    return out.view(n, -1)
 
 
 def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -73,7 +132,7 @@ def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     if qtype == Q4_Z:
         return scale * (q.float() - m.float().repeat_interleave(BLOCK, dim=1))
     w = scale * q.float()
-    if qtype == Q4_1:
+    if qtype in (Q4_1, Q4_F):
         w = w + m.float().repeat_interleave(BLOCK, dim=1)
     return w
 
@@ -122,7 +181,7 @@ class PackedGGUF:
         if self.qtype == Q4_Z:
             return scale * (q - per_block(self.m))
         w = scale * q
-        return w + per_block(self.m) if self.qtype == Q4_1 else w
+        return w + per_block(self.m) if self.qtype in (Q4_1, Q4_F) else w
 
 
 def repack(raw: torch.Tensor, qtype: int, perm: torch.Tensor | None = None) -> PackedGGUF:

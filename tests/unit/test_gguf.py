@@ -17,7 +17,8 @@ from tokenmill.protocol import envs
 from tokenmill.worker.layers.quantization.gguf import GGUFWeight, _reverse_permute
 
 TYPES = [G.Q4_0, G.Q4_1, G.Q8_0]
-KERNEL_TYPES = TYPES + [G.Q4_Z]  # Q4_Z: the int4 checkpoints' (AWQ, GPTQ) blocks
+# Q4_Z: the int4 checkpoints' (AWQ, GPTQ) blocks; Q4_F: Q4_K's, rewritten
+KERNEL_TYPES = TYPES + [G.Q4_Z, G.Q4_F]
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -36,6 +37,11 @@ def random_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
         m[4, 0] = -65504.0
         raw[..., 2:4] = m.half().view(torch.uint8).view(n, blocks, 2)
         start = 4
+    if qtype == G.Q4_F:  # fp32 scales and minimums (as d * sc and -dmin * m make them)
+        raw[..., 0:4] = (d.float() * 63).view(torch.uint8).view(n, blocks, 4)
+        m = -torch.rand(n, blocks, generator=g) * 0.5
+        raw[..., 4:8] = m.view(torch.uint8).view(n, blocks, 4)
+        start = 8
     if qtype == G.Q4_Z:  # integer zero points, 0 and 15 among them
         z = torch.randint(0, 16, (n, blocks), generator=g).float()
         z[4, 0], z[5, 0] = 0.0, 15.0
@@ -53,6 +59,29 @@ def test_dequantize_equals_gguf_py(qtype: int) -> None:
     raw = random_blocks(qtype, 64, 256, seed=qtype)
     ours = G.dequantize(raw, qtype)
     theirs = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs, dtype=np.float32)))
+
+
+def test_q5_0_rewritten_as_q8_0_holds_the_same_weights() -> None:
+    g = torch.Generator().manual_seed(4)
+    raw = torch.randint(0, 256, (64, 4, 22), dtype=torch.uint8, generator=g)
+    raw[..., 0:2] = (torch.randn(64, 4, 1, generator=g) * 0.05).half().view(torch.uint8)
+    raw[0, 0, 2:] = 0xFF  # every q = 31
+    raw[1, 0, 2:] = 0x00  # every q = 0
+    raw = raw.view(64, -1)
+    theirs = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q5_0)
+    ours = G.dequantize(G.q5_0_as_q8_0(raw), G.Q8_0)
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs, dtype=np.float32)))
+
+
+def test_q4_k_rewritten_as_q4_f_holds_the_same_weights() -> None:
+    g = torch.Generator().manual_seed(5)
+    raw = torch.randint(0, 256, (16, 2, 144), dtype=torch.uint8, generator=g)
+    raw[..., 0:4] = (torch.rand(16, 2, 2, generator=g) * 0.02).half().view(torch.uint8)
+    raw[0, 0, 4:16] = 0xFF  # every 6-bit scale and minimum 63
+    raw = raw.view(16, -1)
+    theirs = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_K)
+    ours = G.dequantize(G.q4_k_as_q4_f(raw), G.Q4_F)
     assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs, dtype=np.float32)))
 
 
@@ -105,9 +134,11 @@ def isa(request, kernels) -> int:
 def test_gguf_linear_equals_dequantize_then_matmul(isa, qtype: int, dtype) -> None:
     n, k = 192, 320
     raw = random_blocks(qtype, n, k, seed=7 * qtype)
-    raw.view(n, k // 32, -1)[:, :, 0:2] = (torch.rand(n, k // 32, 1) * 0.05).half().view(
-        torch.uint8
-    )  # moderate scales here: the extremes' products would swamp the bound below
+    scales = torch.rand(n, k // 32, 1) * 0.05  # moderate scales here: the extremes' products
+    if qtype == G.Q4_F:  # would swamp the bound below
+        raw.view(n, k // 32, -1)[:, :, 0:4] = scales.view(torch.uint8)
+    else:
+        raw.view(n, k // 32, -1)[:, :, 0:2] = scales.half().view(torch.uint8)
     weight = G.dequantize(raw, qtype)
     packed = G.repack(raw, qtype)
     bias = torch.randn(n)

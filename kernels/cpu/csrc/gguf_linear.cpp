@@ -8,7 +8,9 @@
 //   d, m: [N / 16, K / 32, 16] fp16, per column of the group.
 // A weight is w = d * (q - 8) (Q4_0), d * q + m (Q4_1), d * q (Q8_0), as GGUF defines it.
 // Q4_Z is no GGML type but the int4 checkpoints' (AWQ, GPTQ): Q4_1's layout with m holding an
-// integer zero point z per block (exact in fp16), w = d * (q - z).
+// integer zero point z per block (exact in fp16), w = d * (q - z). Q4_F neither: Q4_1 with d
+// and m in fp32 (GGUF's Q4_K, whose per-32 scale and minimum, fp16 times a 6-bit integer, are
+// exact in fp32 only).
 //
 // Few rows (decodes) on AVX512-BF16: each block's values become exact bf16 integers in
 // registers (a table lookup for 4 bits, a conversion for 8) and meet the activations in dot
@@ -36,7 +38,7 @@ namespace tokenmill {
 namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML's type ids
-constexpr int64_t kQ4_Z = 1000;                   // tokenmill's (kernels/cpu/gguf.py)
+constexpr int64_t kQ4_Z = 1000, kQ4_F = 1001;     // tokenmill's (kernels/cpu/gguf.py)
 constexpr int64_t kGroup = 16;                    // output columns per group
 constexpr int64_t kBlockK = 32;                   // weights per scale
 constexpr int64_t kColumnBlock = 64;              // columns per task on the many-row path
@@ -53,36 +55,52 @@ inline int q4_value(const uint8_t* gb, int64_t p, int64_t c, int64_t e) {
   return (p % 2 == 0) ? (byte & 0xF) : (byte >> 4);
 }
 
-// The weight of column c at k = 2p + e of a group block, as GGUF de-quantizes it in fp32.
-inline float weight_value(int64_t qtype, const uint8_t* gb, const c10::Half* d,
-                          const c10::Half* m, int64_t p, int64_t c, int64_t e) {
-  const float scale = static_cast<float>(d[c]);
+// The weight of column c at k = 2p + e of a group block, as GGUF de-quantizes it in fp32
+// (scale: the column's d; m: its minimum or zero point).
+inline float weight_value(int64_t qtype, const uint8_t* gb, float scale, float m, int64_t p,
+                          int64_t c, int64_t e) {
   if (qtype == kQ8_0) {
     return scale * static_cast<float>(static_cast<int8_t>(gb[p * 32 + 2 * c + e]));
   }
   const int q = q4_value(gb, p, c, e);
   if (qtype == kQ4_0) return scale * static_cast<float>(q - 8);
-  if (qtype == kQ4_Z) return scale * static_cast<float>(q - static_cast<int>(static_cast<float>(m[c])));
-  return scale * static_cast<float>(q) + static_cast<float>(m[c]);
+  if (qtype == kQ4_Z) return scale * static_cast<float>(q - static_cast<int>(m));
+  return scale * static_cast<float>(q) + m;
 }
 
 struct Weight {
   const uint8_t* qs;
-  const c10::Half* d;
-  const c10::Half* m;  // Q4_1's minimum, Q4_Z's zero point
+  const void* d;  // fp16, or fp32 (Q4_F)
+  const void* m;  // Q4_1's and Q4_F's minimum, Q4_Z's zero point
   int64_t qtype, n, k, blocks;
+  bool f32() const { return qtype == kQ4_F; }
   const uint8_t* group_block(int64_t g, int64_t b) const {
     return qs + (g * blocks + b) * group_block_bytes(qtype);
   }
-  const c10::Half* scales(const c10::Half* s, int64_t g, int64_t b) const {
-    return s + (g * blocks + b) * kGroup;
+  // The 16 values of (group g, block b) in s (d or m).
+  const void* scales(const void* s, int64_t g, int64_t b) const {
+    return static_cast<const char*>(s) + (g * blocks + b) * kGroup * (f32() ? 4 : 2);
+  }
+  float scale(const void* s, int64_t g, int64_t b, int64_t c) const {
+    const void* at = scales(s, g, b);
+    return f32() ? static_cast<const float*>(at)[c]
+                 : static_cast<float>(static_cast<const c10::Half*>(at)[c]);
   }
 };
+
 
 // ---- few rows: dot products on AVX512-BF16 ----
 
 #define TOKENMILL_BF16_TARGET \
   __attribute__((target("avx512f,avx512bf16,avx512vl,avx512bw,avx512dq,f16c,fma")))
+
+// The 16 values of (group g, block b) in s, widened to fp32.
+TOKENMILL_BF16_TARGET inline __m512 load_scales(const Weight& w, const void* s, int64_t g,
+                                                int64_t b) {
+  const void* at = w.scales(s, g, b);
+  if (w.f32()) return _mm512_loadu_ps(at);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
 
 // Pairs 2pp and 2pp + 1 of a Q4 group block as bf16 integers (through `table`).
 TOKENMILL_BF16_TARGET inline void q4_pairs(const uint8_t* row, __m512i table, __m512i& v0,
@@ -177,11 +195,9 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
       }
     }
     for (int j = 0; j < GN; ++j) {
-      const __m512 dv = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.d, g0 + j, b))));
+      const __m512 dv = load_scales(w, w.d, g0 + j, b);
       if (w.qtype == kQ4_Z) {  // d * (sum x q - z * sum x)
-        const __m512 zv = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.m, g0 + j, b))));
+        const __m512 zv = load_scales(w, w.m, g0 + j, b);
         for (int r = 0; r < M; ++r) {
           const __m512 t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xsum[r * w.blocks + b]), s[r][j]);
           acc[r][j] = _mm512_fmadd_ps(dv, t, acc[r][j]);
@@ -189,9 +205,8 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
         continue;
       }
       for (int r = 0; r < M; ++r) acc[r][j] = _mm512_fmadd_ps(dv, s[r][j], acc[r][j]);
-      if (w.qtype == kQ4_1) {
-        const __m512 mv = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.m, g0 + j, b))));
+      if (w.qtype == kQ4_1 || w.qtype == kQ4_F) {
+        const __m512 mv = load_scales(w, w.m, g0 + j, b);
         for (int r = 0; r < M; ++r) {
           acc[r][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * w.blocks + b]), acc[r][j]);
         }
@@ -251,13 +266,13 @@ void dequantize_columns(const Weight& w, int64_t n0, bool vnni, C* out) {
     const int64_t g = n0 / kGroup + gl;
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* gb = w.group_block(g, b);
-      const c10::Half* d = w.scales(w.d, g, b);
-      const c10::Half* m = w.m != nullptr ? w.scales(w.m, g, b) : nullptr;
+
       for (int64_t p = 0; p < 16; ++p) {
         const int64_t k = b * kBlockK + 2 * p;
         for (int64_t c = 0; c < kGroup; ++c) {
           for (int64_t e = 0; e < 2; ++e) {
-            const float v = weight_value(w.qtype, gb, d, m, p, c, e);
+            const float v = weight_value(w.qtype, gb, w.scale(w.d, g, b, c),
+                                         w.m != nullptr ? w.scale(w.m, g, b, c) : 0.f, p, c, e);
             const int64_t col = gl * kGroup + c;
             if (vnni) {
               out[((k / 2) * kColumnBlock + col) * 2 + e] = from_float<C>(v);
@@ -286,13 +301,11 @@ TOKENMILL_BF16_TARGET void dequantize_columns_avx512(const Weight& w, int64_t n0
     const int64_t g = n0 / kGroup + gl;
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* gb = w.group_block(g, b);
-      const __m512 dv = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.d, g, b))));
+      const __m512 dv = load_scales(w, w.d, g, b);
       const __m512 d_lo = _mm512_permutexvar_ps(lo_cols, dv), d_hi = _mm512_permutexvar_ps(hi_cols, dv);
       __m512 m_lo = _mm512_setzero_ps(), m_hi = _mm512_setzero_ps();
       if (w.m != nullptr) {  // Q4_1's minimum or Q4_Z's zero point
-        const __m512 mv = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales(w.m, g, b))));
+        const __m512 mv = load_scales(w, w.m, g, b);
         m_lo = _mm512_permutexvar_ps(lo_cols, mv);
         m_hi = _mm512_permutexvar_ps(hi_cols, mv);
       }
@@ -315,7 +328,7 @@ TOKENMILL_BF16_TARGET void dequantize_columns_avx512(const Weight& w, int64_t n0
         }
         lo = _mm512_mul_ps(d_lo, lo);
         hi = _mm512_mul_ps(d_hi, hi);
-        if (w.qtype == kQ4_1) {
+        if (w.qtype == kQ4_1 || w.qtype == kQ4_F) {
           lo = _mm512_add_ps(lo, m_lo);
           hi = _mm512_add_ps(hi, m_hi);
         }
@@ -408,24 +421,27 @@ void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const floa
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                        const c10::optional<at::Tensor>& m_in, int64_t qtype,
                        const c10::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_Z,
-              "gguf_linear: qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8) or Q4_Z (1000), got ",
-              qtype);
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_Z ||
+                  qtype == kQ4_F,
+              "gguf_linear: qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_Z (1000) or Q4_F "
+              "(1001), got ", qtype);
   TORCH_CHECK(qs.dim() == 4 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
                   qs.size(3) == 32 && qs.size(2) == (qtype == kQ8_0 ? 16 : 8),
               "gguf_linear: qs must be a contiguous uint8 [N / 16, K / 32, pairs, 32], got ",
               qs.sizes());
   const int64_t groups = qs.size(0), blocks = qs.size(1);
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() &&
+  const auto scale_type = qtype == kQ4_F ? at::kFloat : at::kHalf;
+  TORCH_CHECK(d.scalar_type() == scale_type && d.is_contiguous() &&
                   d.sizes() == at::IntArrayRef({groups, blocks, kGroup}),
-              "gguf_linear: d must be fp16 [N / 16, K / 32, 16], got ", d.sizes());
+              "gguf_linear: d must be ", scale_type, " [N / 16, K / 32, 16], got ", d.sizes(),
+              " ", d.scalar_type());
   const bool has_m = m_in.has_value() && m_in->defined();
-  TORCH_CHECK(has_m == (qtype == kQ4_1 || qtype == kQ4_Z),
-              "gguf_linear: Q4_1 and Q4_Z, and only they, take m");
+  TORCH_CHECK(has_m == (qtype == kQ4_1 || qtype == kQ4_Z || qtype == kQ4_F),
+              "gguf_linear: Q4_1, Q4_Z and Q4_F, and only they, take m");
   if (has_m) {
-    TORCH_CHECK(m_in->scalar_type() == at::kHalf && m_in->is_contiguous() &&
+    TORCH_CHECK(m_in->scalar_type() == scale_type && m_in->is_contiguous() &&
                     m_in->sizes() == d.sizes(),
-                "gguf_linear: m must be shaped as d");
+                "gguf_linear: m must be shaped and typed as d");
   }
   const int64_t n = groups * kGroup, k = blocks * kBlockK;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "gguf_linear: x must be [M, ", k, "], got ",
@@ -443,8 +459,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t rows = x.size(0);
   if (rows == 0) return at::empty({0, n}, x.options());
-  const Weight w{qs.data_ptr<uint8_t>(), reinterpret_cast<const c10::Half*>(d.data_ptr()),
-                 has_m ? reinterpret_cast<const c10::Half*>(m_in->data_ptr()) : nullptr,
+  const Weight w{qs.data_ptr<uint8_t>(), d.data_ptr(), has_m ? m_in->data_ptr() : nullptr,
                  qtype, n, k, blocks};
   TORCH_CHECK(n % kColumnBlock == 0, "gguf_linear: N=", n, " is not a multiple of ",
               kColumnBlock);

@@ -4,10 +4,12 @@
 tensor name map, as vLLM uses it): plain tensors (norms, biases) as torch tensors, block-
 quantized ones as a `GGUFWeight`, which the layers' weight loaders keep as their rows of
 blocks instead of copying values (`record`). `finalize` then gives each layer its run-time
-form: a matmul weight of a type the CPU kernels take (Q4_0, Q4_1, Q8_0) re-laid out for
-`gguf_linear`; an embedding its rows of blocks, de-quantized per looked-up token; anything
-else (another type, a layer whose shards mix types, no CPU kernels) de-quantized into the
-layer's weight, with one log line naming what.
+form: a matmul weight of a type the CPU kernels take (Q4_0, Q4_1, Q8_0; Q5_0 and Q4_K
+rewritten exactly as Q8_0 and Q4_F blocks) re-laid out for `gguf_linear` (on CUDA, kept as
+rows of blocks for Triton's `gguf_matmul`); an embedding its rows of blocks, de-quantized per
+looked-up token (tied to the LM head: in its blocks); anything else (another type, a layer
+whose shards mix types the kernels cannot share, no kernels) de-quantized into the layer's
+weight, with one log line naming what.
 """
 
 from __future__ import annotations
@@ -176,11 +178,25 @@ def record(param: torch.Tensor, loaded: GGUFWeight, offset: int = 0) -> None:
     shards.append((offset, loaded))
 
 
-def _whole(param: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+# GGUF types the kernels take rewritten, exactly, as one of theirs.
+REWRITES = {
+    kernels.Q5_0: (kernels.Q8_0, kernels.q5_0_as_q8_0),
+    kernels.Q4_K: (kernels.Q4_F, kernels.q4_k_as_q4_f),
+}
+
+
+def _whole(
+    param: torch.Tensor, rewrite: bool
+) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
     """The recorded shards as one tensor of rows of blocks, its type and column order, where
-    they are of one type and order and cover the parameter's rows and columns."""
+    they are of one type and order and cover the parameter's rows and columns; `rewrite`:
+    shards of the REWRITES types as the blocks they equal."""
     shards = sorted(param.gguf_shards, key=lambda s: s[0])  # type: ignore[attr-defined]
-    types = {s.qtype for _, s in shards}
+
+    def target(shard: GGUFWeight) -> int:
+        return REWRITES[shard.qtype][0] if rewrite and shard.qtype in REWRITES else shard.qtype
+
+    types = {target(s) for _, s in shards}
     perm = shards[0][1].perm
     if any(not _same_order(s.perm, perm) for _, s in shards):
         return None
@@ -192,7 +208,10 @@ def _whole(param: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]
         rows = expected
     if len(types) != 1 or rows != param.shape[0]:
         return None
-    return torch.cat([s.raw() for _, s in shards]), types.pop(), perm
+    raws = [
+        REWRITES[s.qtype][1](s.raw()) if target(s) != s.qtype else s.raw() for _, s in shards
+    ]
+    return torch.cat(raws), types.pop(), perm
 
 
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -216,8 +235,12 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
     native, dense = Counter(), Counter()
     for key, modules in users.items():
         param = params[key]
-        whole = _whole(param)
+        # (Q5_0, most of Gemma 3's Q4_K_M file, runs exactly as Q8_0 blocks, Q4_K as Q4_F)
+        whole = _whole(param, rewrite=kernels_in_use or triton)
         raw, qtype, perm = whole if whole is not None else (None, None, None)
+        label = None
+        if qtype in kernels.NAMES and shards_types(param) != kernels.NAMES[qtype]:
+            label = f"{shards_types(param)} as {kernels.NAMES[qtype]}"
         shape = (param.shape[0], param.shape[1])
         needs_dense = False
         packed = None
@@ -249,7 +272,7 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
                     module.gguf_rows, module.gguf_type = raw, qtype
             else:  # (on CUDA the table is the device's dense weight)
                 needs_dense = True
-        name = kernels.NAMES.get(qtype) if qtype is not None else None
+        name = label or (kernels.NAMES.get(qtype) if qtype is not None else None)
         if needs_dense:
             param.data.zero_()  # (a TP rank's padding rows past the vocabulary)
             for offset, shard in param.gguf_shards:  # type: ignore[attr-defined]
