@@ -50,6 +50,11 @@ class EngineCore:
         start = time.perf_counter()
         self.executor = Executor.get_class(config)(config)
         loaded = time.perf_counter()
+        try:  # rank 0's model (get_stats)
+            self.model_memory = self.executor.collective_rpc("model_memory", unique_reply_rank=0)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         try:
             self.kv_sizing = self._initialize_kv_cache(config)
         except BaseException:
@@ -378,6 +383,7 @@ class EngineCore:
             "block_size": self.kv_sizing.block_size,
             "max_model_len": self.config.model_config.max_model_len,
             "startup_s": dict(self.startup_s),
+            "model_memory": dict(self.model_memory),
             **(
                 {"step_time_s": dict(self.step_times), "num_timed_steps": self.num_timed_steps}
                 if self.step_timing

@@ -100,12 +100,22 @@ class ModelRunner:
         return self._device_thread.submit(fn).result()
 
     def load_model(self) -> None:
+        resident = self.platform.resident_bytes(self.device)
+        start = time.perf_counter()
         with layer_kernels(self.layer_kernels()):
             self.model = get_model(self.config, self.device, self.attn_backend)
             if self.drafter is not None:
                 self.drafter.load()
         # LongRoPE's (threshold, offset of the long rotary rows), see _rope_positions.
         self.long_rope = getattr(self.model, "long_rope", None)
+        self.platform.after_load()
+        self.model_memory = {
+            "weights_bytes": model_tensor_bytes(self.model),
+            "load_bytes": self.platform.resident_bytes(self.device) - resident,
+        }
+        logger.info("Model loading took %.1f MiB (weights %.1f MiB) and %.1f s",
+                    self.model_memory["load_bytes"] / 2**20,
+                    self.model_memory["weights_bytes"] / 2**20, time.perf_counter() - start)  # fmt: skip
 
     def layer_kernels(self) -> str:
         """Which implementation the model's layers run (see worker/layers/custom_op.py)."""
@@ -643,6 +653,33 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> Attent
             return backend_class(name)()
     # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
     return backend_class("TORCH_SDPA")(platform.decode_group_bytes())
+
+
+def model_tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor the model holds: parameters and buffers, and the run-time forms
+    quantized layers keep beside them (`qweight`, GGUF rows), each storage once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen and key[1]:
+            seen.add(key)
+            total += key[1]
+
+    for module in model.modules():
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            add(t)
+        for name in ("qweight", "gguf_rows", "gguf_packed"):
+            held = getattr(module, name, None)
+            if isinstance(held, torch.Tensor):
+                add(held)
+            elif held is not None:
+                for value in vars(held).values():
+                    if isinstance(value, torch.Tensor):
+                        add(value)
+    return total
 
 
 def _profile_sampling_metadata(rows: int, device: torch.device) -> SamplingMetadata:

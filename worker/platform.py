@@ -99,6 +99,17 @@ class Platform:
     def synchronize(self, device: torch.device) -> None:
         """Waits for the device's queued work (step timing)."""
 
+    def resident_bytes(self, device: torch.device) -> int:
+        """The memory this process holds where the model lives: on the CPU its resident set
+        (the model's load is measured as its growth)."""
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def after_load(self) -> None:
+        """Once the model is loaded: on the CPU, the load's freed temporaries go back to the
+        OS."""
+
     def kv_cache_budget(
         self, cache: CacheConfig, device: torch.device, local_world_size: int,
         profile: Callable[[], None], engines_on_host: int = 1,
@@ -151,6 +162,9 @@ class CpuPlatform(Platform):
 
     def cpu_kernels(self) -> bool:
         return cpu_kernels_in_use()
+
+    def after_load(self) -> None:
+        release_freed_memory()
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         from tokenmill.worker.layers.embedding import ParallelLMHead
@@ -221,6 +235,9 @@ class CudaPlatform(Platform):
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
+
+    def resident_bytes(self, device: torch.device) -> int:
+        return torch.cuda.memory_allocated(device)
 
     def kv_cache_budget(
         self, cache: CacheConfig, device: torch.device, local_world_size: int,
@@ -376,6 +393,21 @@ def _yield_to_others() -> None:
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def release_freed_memory() -> bool:
+    """Hands the heap's free pages back to the OS (glibc's malloc_trim): once after loading a
+    model, whose temporaries (a checkpoint's copies, a quantized format's re-layouts) would
+    otherwise stay resident under keep_freed_memory's settings."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
 
 
 def keep_freed_memory() -> bool:

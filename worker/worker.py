@@ -35,6 +35,7 @@ class Worker:
             "execute_model",
             "submit_model",
             "describe_shards",
+            "model_memory",
         }
     )
 
@@ -79,6 +80,12 @@ class Worker:
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
         assert self.model_runner is not None
         return self.model_runner.get_kv_cache_specs()
+
+    def model_memory(self) -> dict[str, int]:
+        """The loaded model's bytes: `weights_bytes` (its tensors) and `load_bytes` (what the
+        load added to the process's memory: resident set on the CPU, allocated on CUDA)."""
+        assert self.model_runner is not None
+        return dict(self.model_runner.model_memory)
 
     def determine_available_memory(self) -> int:
         """Bytes this rank can give to its KV cache (Platform.kv_cache_budget: on the CPU a
