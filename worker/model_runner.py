@@ -663,7 +663,10 @@ def model_tensor_bytes(model: torch.nn.Module) -> int:
 
     def add(t: torch.Tensor) -> None:
         nonlocal total
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        try:
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        except NotImplementedError:  # an opaque tensor (oneDNN's packed weights): no storage
+            key = (id(t), t.numel() * t.element_size())
         if key not in seen and key[1]:
             seen.add(key)
             total += key[1]
