@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 FP8_MAX = 448.0  # fp8 e4m3's largest finite value
 
 

@@ -55,9 +55,8 @@ class DraftModel:
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         assert self.model is not None
-        return [
-            a.kv_cache_spec(self.block_size, self.cache_dtype) for a in self.model.attention_layers()
-        ]
+        layers = self.model.attention_layers()
+        return [a.kv_cache_spec(self.block_size, self.cache_dtype) for a in layers]
 
     def allocate(self, num_blocks: int, zeroed) -> list[torch.Tensor]:
         assert self.model is not None

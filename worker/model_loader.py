@@ -64,7 +64,8 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
     elif model_config.quantization == "gguf":
         from tokenmill.worker.layers.quantization import gguf
 
-        load_weights(model, gguf.iter_gguf_weights(Path(model_config.model) / gguf.GGUF_FILE, model))
+        path = Path(model_config.model) / gguf.GGUF_FILE
+        load_weights(model, gguf.iter_gguf_weights(path, model))
         gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels(),
                       triton=_triton_matmuls(device))  # fmt: skip
     elif model_config.quantization in ("awq", "gptq"):

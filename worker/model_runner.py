@@ -113,9 +113,12 @@ class ModelRunner:
             "weights_bytes": model_tensor_bytes(self.model),
             "load_bytes": self.platform.resident_bytes(self.device) - resident,
         }
-        logger.info("Model loading took %.1f MiB (weights %.1f MiB) and %.1f s",
-                    self.model_memory["load_bytes"] / 2**20,
-                    self.model_memory["weights_bytes"] / 2**20, time.perf_counter() - start)  # fmt: skip
+        logger.info(
+            "Model loading took %.1f MiB (weights %.1f MiB) and %.1f s",
+            self.model_memory["load_bytes"] / 2**20,
+            self.model_memory["weights_bytes"] / 2**20,
+            time.perf_counter() - start,
+        )
 
     def layer_kernels(self) -> str:
         """Which implementation the model's layers run (see worker/layers/custom_op.py)."""
@@ -133,9 +136,8 @@ class ModelRunner:
 
     def _target_kv_cache_specs(self) -> list[KVCacheSpec]:
         assert self.model is not None
-        return [
-            a.kv_cache_spec(self.block_size, self.cache_dtype) for a in self.model.attention_layers()
-        ]
+        layers = self.model.attention_layers()
+        return [a.kv_cache_spec(self.block_size, self.cache_dtype) for a in layers]
 
     def initialize_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
         """Allocates the cache under the config as the core settled it (its max_model_len

@@ -98,7 +98,9 @@ def pack(weight: torch.Tensor, kernel: bool = True, triton: bool = False) -> Pac
     return PackedInt8((n, k), packed, scales, q.sum(dim=-1, dtype=torch.int32), kernel, triton)
 
 
-def int8_linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (bf16 or fp32)."""
     shape = x.shape
     y = torch.ops.tokenmill.int8_linear(

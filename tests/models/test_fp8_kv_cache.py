@@ -53,7 +53,8 @@ def test_fp8_kv_cache_log_probabilities_stay_near_the_model_dtype(smollm2_path: 
             scores[name] = score(llm, sequences)
             runner = llm.llm_engine.client.engine_core.executor.worker.model_runner
             blocks[name] = runner.kv_caches[0].shape[0]
-            assert runner.kv_caches[0].dtype == (torch.float32 if kv == "auto" else torch.float8_e4m3fn)
+            want = torch.float32 if kv == "auto" else torch.float8_e4m3fn
+            assert runner.kv_caches[0].dtype == want
         finally:
             llm.shutdown()
     # One byte a value against fp32's four: four times the blocks in the same bytes.

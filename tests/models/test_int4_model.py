@@ -36,8 +36,9 @@ def pack_words(values: np.ndarray) -> np.ndarray:
     return words.view(np.int32)
 
 
-def quantize_layer(weight: torch.Tensor, method: str, group: int, g_idx: torch.Tensor,
-                   generator: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:  # fmt: skip
+def quantize_layer(
+    weight: torch.Tensor, method: str, group: int, g_idx: torch.Tensor, generator: torch.Generator
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Random int4 values in the format's layout for a layer shaped as `weight` [N, K], each
     input feature in group g_idx[k], and their de-quantized fp32 weight [N, K]."""
     n, k = weight.shape
@@ -90,7 +91,8 @@ def write_checkpoint(folder: Path, method: str, group: int, act_order: bool) -> 
         key = (prefix.rsplit(".", 1)[0] + (".o" if "o_proj" in prefix else ""), k)
         if key not in orders:
             g_idx = torch.empty(k, dtype=torch.int32)
-            g_idx[torch.randperm(k, generator=generator)] = torch.arange(k, dtype=torch.int32) // group
+            order = torch.randperm(k, generator=generator)
+            g_idx[order] = torch.arange(k, dtype=torch.int32) // group
             orders[key] = g_idx
         return orders[key]
 

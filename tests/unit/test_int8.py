@@ -37,8 +37,11 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
     SiLU or ReLU), a constant row, a row with one outlier, huge values."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
-    special = [torch.zeros(k), torch.rand(k, generator=g), -torch.rand(k, generator=g),
-               torch.full((k,), 3.0), torch.randn(k, generator=g) * 1e-3, torch.randn(k, generator=g) * 1e4]  # fmt: skip
+    special = [
+        torch.zeros(k), torch.rand(k, generator=g), -torch.rand(k, generator=g),
+        torch.full((k,), 3.0), torch.randn(k, generator=g) * 1e-3,
+        torch.randn(k, generator=g) * 1e4,
+    ]  # fmt: skip
     special[4][7] = 50.0  # one outlier
     for i, row in enumerate(special[:m]):
         x[i] = row
@@ -46,8 +49,8 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 def test_quantization_by_hand() -> None:
-    xu, zero, scale = I.quantize_activations(torch.tensor([[-1.0, 0.0, 0.5, 1.0], [0.0, 2.0, 1.0, 4.0],
-                                                           [0.0, 0.0, 0.0, 0.0]]))  # fmt: skip
+    rows = torch.tensor([[-1.0, 0.0, 0.5, 1.0], [0.0, 2.0, 1.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
+    xu, zero, scale = I.quantize_activations(rows)
     # row 0: range [-1, 1], 255 / 2 per unit, zero point round(127.5) = 128 (ties to even)
     assert zero.tolist() == [128, 0, 0]
     assert xu[0].tolist() == [0, 128, 192, 255]  # round(-127.5) = -128, round(63.75) = 64

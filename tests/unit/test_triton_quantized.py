@@ -35,7 +35,8 @@ def test_gguf_matmul_equals_dequantize_then_matmul(qtype: int, dtype) -> None:
         got = quantized.gguf_matmul(x.to(DEVICE), raw.to(DEVICE), qtype, bias.to(DEVICE, dtype))
         want = x.float() @ weight.to(dtype).float().T + bias.to(dtype).float()
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol * float(want.abs().max()))
+        atol = tol * float(want.abs().max())
+        torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=atol)
 
 
 def test_gguf_matmul_takes_the_input_in_the_weights_column_order() -> None:
@@ -56,8 +57,10 @@ def test_int8_matmul_equals_the_w8a8_reference(dtype) -> None:
     for m in (1, 3, 16, 40):
         x = torch.randn(m, k).to(dtype)
         x[0, :8] = torch.tensor([0.0, 1e3, -1e3, 1e-6, 0.5, -0.5, 3.0, 0.0])
-        device_packed = I.PackedInt8(packed.shape, packed.qweight.to(DEVICE),
-                                     packed.scales.to(DEVICE), packed.colsum.to(DEVICE), False)  # fmt: skip
+        device_packed = I.PackedInt8(
+            packed.shape, *(t.to(DEVICE) for t in (packed.qweight, packed.scales, packed.colsum)),
+            False,
+        )  # fmt: skip
         got = quantized.int8_matmul(x.to(DEVICE), device_packed, bias.to(DEVICE, dtype)).cpu()
         want = I.reference_linear(x, packed, bias.to(dtype))
         if dtype == torch.float32:  # the same integers and the same fp32 scaling

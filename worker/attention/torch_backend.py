@@ -311,8 +311,9 @@ def attend_prefills(
                 k, v = to_cache(k, pages.dtype), to_cache(v, pages.dtype)
         else:
             assert pages is not None
-            k = _bytes(pages).index_select(0, span.key_pages).view(pages.dtype).flatten(0, 1)[:s]
-            v = _bytes(pages).index_select(0, span.key_pages + 1).view(pages.dtype).flatten(0, 1)[:s]
+            raw = _bytes(pages)
+            k = raw.index_select(0, span.key_pages).view(pages.dtype).flatten(0, 1)[:s]
+            v = raw.index_select(0, span.key_pages + 1).view(pages.dtype).flatten(0, 1)[:s]
         k, v = k.to(query.dtype), v.to(query.dtype)  # (an fp8 cache's values, widened)
         mask = None  # causal over its own tokens
         if span.key_pages is not None or (window is not None and window < n):

@@ -57,14 +57,17 @@ class Int4Config:
         group = int(config.get("group_size", config.get("q_group_size", 128)))
         if group != -1 and (group <= 0 or group % PACK):
             raise ValueError(
-                f"quantization_config.group_size must be -1 or a positive multiple of 8, got {group}"
+                "quantization_config.group_size must be -1 or a positive multiple of 8, got "
+                f"{group}"
             )
         if method == "awq":
             if not config.get("zero_point", True):
                 raise ValueError("quantization_config.zero_point must be true for awq, got false")
             version = str(config.get("version", "gemm")).lower()
             if version != "gemm":
-                raise ValueError(f"quantization_config.version must be 'gemm' for awq, got {version!r}")
+                raise ValueError(
+                    f"quantization_config.version must be 'gemm' for awq, got {version!r}"
+                )
         fmt = str(config.get("checkpoint_format", "gptq")).lower()
         return cls(method, group, method == "gptq" and fmt != "gptq_v2")
 
