@@ -132,18 +132,20 @@ def test_unpacking_undoes_the_formats_packing() -> None:
     assert torch.equal(unpack_along_columns(awq, awq=True), torch.from_numpy(flat).int())
 
 
-CASES = [("awq", 128, False), ("awq", 64, False), ("gptq", 128, False), ("gptq", 32, True)]
+# (method, group size, act-order, CPU kernels): every packing on the kernels; the torch path
+# (the blocks de-quantized at load) on the act-order checkpoint.
+CASES = [("awq", 128, False, "on"), ("awq", 64, False, "on"), ("gptq", 128, False, "on"),
+         ("gptq", 32, True, "on"), ("gptq", 32, True, "off")]  # fmt: skip
 
 
-@pytest.mark.parametrize("kernels", ["on", "off"])
-@pytest.mark.parametrize("method,group,act_order", CASES,
-                         ids=[f"{m}-g{g}{'-act' if a else ''}" for m, g, a in CASES])  # fmt: skip
+CASE_IDS = [f"{m}-g{g}{'-act' if a else ''}-{k}" for m, g, a, k in CASES]
+
+
+@pytest.mark.parametrize("method,group,act_order,kernels", CASES, ids=CASE_IDS)
 def test_int4_checkpoint_matches_hf_on_its_dequantized_weights(
     tmp_path, monkeypatch, method: str, group: int, act_order: bool, kernels: str
 ) -> None:
     if kernels == "off":
-        if (method, group) != ("gptq", 32):  # one case suffices for the de-quantized path
-            pytest.skip("the torch path is checked on one checkpoint")
         monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
     hf = write_checkpoint(tmp_path / "ckpt", method, group, act_order)
     generator = torch.Generator().manual_seed(3)
