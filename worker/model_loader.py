@@ -59,30 +59,29 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
             model = get_model_class(model_config.architecture)(model_config, backend)
     finally:
         torch.set_default_dtype(previous)
+    # Which kernels quantized layers run on: the CPU kernels, Triton's (CUDA), or neither
+    # (their weights de-quantized, int8's in torch).
+    kernels = dict(kernels_in_use=platform_of(device).cpu_kernels(), triton=_triton_matmuls(device))
+    folder = Path(model_config.model)
     if config.load_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)
     elif model_config.quantization == "gguf":
         from tokenmill.worker.layers.quantization import gguf
 
-        path = Path(model_config.model) / gguf.GGUF_FILE
-        load_weights(model, gguf.iter_gguf_weights(path, model))
-        gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels(),
-                      triton=_triton_matmuls(device))  # fmt: skip
+        load_weights(model, gguf.iter_gguf_weights(folder / gguf.GGUF_FILE, model))
+        gguf.finalize(model, **kernels)
     elif model_config.quantization in ("awq", "gptq"):
         from tokenmill.worker.layers.quantization import gguf, int4
 
-        folder = Path(model_config.model)
-        load_weights(model, int4.iter_int4_weights(_iter_safetensors(folder), folder,
-                                                   model_config.quantization))  # fmt: skip
-        gguf.finalize(model, kernels_in_use=platform_of(device).cpu_kernels(),
-                      triton=_triton_matmuls(device))  # fmt: skip
+        weights = _iter_safetensors(folder)
+        load_weights(model, int4.iter_int4_weights(weights, folder, model_config.quantization))
+        gguf.finalize(model, **kernels)
     else:
-        load_weights(model, _iter_safetensors(Path(model_config.model)))
-        if model_config.quantization == "int8":
-            from tokenmill.worker.layers.quantization import int8
+        load_weights(model, _iter_safetensors(folder))
+    if model_config.quantization == "int8":  # (dummy weights too: benchmarks quantize them)
+        from tokenmill.worker.layers.quantization import int8
 
-            int8.finalize(model, kernels_in_use=platform_of(device).cpu_kernels(),
-                          triton=_triton_matmuls(device))  # fmt: skip
+        int8.finalize(model, **kernels)
     platform_of(device).prepare_model(model)
     return model.eval()
 
