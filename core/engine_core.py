@@ -50,12 +50,9 @@ class EngineCore:
         start = time.perf_counter()
         self.executor = Executor.get_class(config)(config)
         loaded = time.perf_counter()
-        try:  # rank 0's model (get_stats)
-            self.model_memory = self.executor.collective_rpc("model_memory", unique_reply_rank=0)
-        except BaseException:
-            self.executor.shutdown()
-            raise
         try:
+            # rank 0's model (get_stats)
+            self.model_memory = self.executor.collective_rpc("model_memory", unique_reply_rank=0)
             self.kv_sizing = self._initialize_kv_cache(config)
         except BaseException:
             self.executor.shutdown()

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psutil
+import torch
 
 from tokenmill.protocol.messages import SamplingParams, StructuredOutputsParams
 from tokenmill.protocol.process import stop_processes
@@ -506,3 +507,15 @@ def assert_same_greedy_tokens(outputs, reference) -> None:
         assert got[parted] in top, f"token {parted} is {got[parted]}, not among {sorted(top)}"
         gap = top[want[parted]].logprob - top[got[parted]].logprob
         assert gap < NEAR_TIE, f"token {parted}: {got[parted]} where {want[parted]} led by {gap}"
+
+
+def teacher_forced_logprobs(llm, sequences: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """Each (prompt, continuation)'s continuation tokens' log-probabilities given the prompt
+    and the tokens before them (prompt log-probabilities of prompt + continuation), one
+    tensor: two engines scored on the same tokens, however their own outputs would part."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p + c} for p, c in sequences], params, use_tqdm=False)
+    values = []
+    for (prompt, cont), out in zip(sequences, outs):
+        values += [out.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(cont)]
+    return torch.tensor(values)

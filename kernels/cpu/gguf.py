@@ -157,6 +157,11 @@ class PackedGGUF:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return gguf_linear(x, self, bias)
 
+    def decode_operands(self) -> tuple[int, list[torch.Tensor | None]] | None:
+        """(qtype, its three tensors) for the one-call decode step (csrc/decode_layers.cpp);
+        None where it cannot take this weight (x in another feature order)."""
+        return None if self.perm is not None else (self.qtype, [self.qs, self.d, self.m])
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 rows `ids` [T] of the weight, [T, K], as `dequantize` gives them (a tied
         embedding's lookup in its LM head's blocks)."""

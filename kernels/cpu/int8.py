@@ -80,11 +80,21 @@ class PackedInt8:
             return int8_matmul(x, self, bias)
         return reference_linear(x, self, bias, exact=False)
 
+    def values(self) -> torch.Tensor:
+        """The int8 weight [N, K], out of the kernel's layout."""
+        n, k = self.shape
+        return self.qweight.permute(0, 2, 1, 3).reshape(n, k)
+
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight [N, K] the int8 values stand for."""
-        n, k = self.shape
-        q = self.qweight.permute(0, 2, 1, 3).reshape(n, k)
-        return q.float() * self.scales.unsqueeze(-1)
+        return self.values().float() * self.scales.unsqueeze(-1)
+
+    def decode_operands(self) -> tuple[int, list[torch.Tensor | None]] | None:
+        """(QTYPE, its three tensors) for the one-call decode step (csrc/decode_layers.cpp),
+        whose gate/up product is fused with SiLU-and-mul; None off the CPU kernel."""
+        if not self.kernel:
+            return None
+        return QTYPE, [self.qweight, self.scales, self.colsum]
 
 
 def pack(weight: torch.Tensor, kernel: bool = True, triton: bool = False) -> PackedInt8:
@@ -112,7 +122,7 @@ def int8_linear(
 def fuses_silu_mul(weight: PackedInt8) -> bool:
     """Whether `int8_linear_silu_mul` takes this gate/up weight: on the kernel, its halves
     whole blocks of columns."""
-    return weight.kernel and (weight.shape[0] // 2) % BLOCK_N == 0 and weight.shape[0] % 2 == 0
+    return weight.kernel and weight.shape[0] % (2 * BLOCK_N) == 0
 
 
 def int8_linear_silu_mul(
@@ -134,8 +144,8 @@ def reference_linear(
     rounded past 2^24, where there is no kernel), scaled."""
     shape = x.shape
     xu, zero, sx = quantize_activations(x.reshape(-1, shape[-1]))
-    n, k = weight.shape
-    q = weight.qweight.permute(0, 2, 1, 3).reshape(n, k)
+    n = weight.shape[0]
+    q = weight.values()
     wide = torch.float64 if exact else torch.float32
     acc = (xu.to(wide) @ q.to(wide).T - (zero.unsqueeze(-1) * weight.colsum).to(wide)).float()
     y = acc * (sx.unsqueeze(-1) * weight.scales)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import smollm2_prompts
+from helpers import smollm2_prompts, teacher_forced_logprobs
 from transformers import AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
@@ -23,15 +23,6 @@ from tokenmill import LLM, SamplingParams
 # moves them by nats.
 MEAN_TOLERANCE = 0.1
 P95_TOLERANCE = 0.4
-
-
-def score(llm: LLM, sequences: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p + c} for p, c in sequences], params, use_tqdm=False)
-    values = []
-    for (prompt, cont), out in zip(sequences, outs):
-        values += [out.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(cont)]
-    return torch.tensor(values)
 
 
 @pytest.mark.slow
@@ -50,7 +41,7 @@ def test_fp8_kv_cache_log_probabilities_stay_near_the_model_dtype(smollm2_path: 
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
                                     use_tqdm=False)  # fmt: skip
                 sequences = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
-            scores[name] = score(llm, sequences)
+            scores[name] = teacher_forced_logprobs(llm, sequences)
             runner = llm.llm_engine.client.engine_core.executor.worker.model_runner
             blocks[name] = runner.kv_caches[0].shape[0]
             want = torch.float32 if kv == "auto" else torch.float8_e4m3fn

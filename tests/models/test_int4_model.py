@@ -121,6 +121,19 @@ def write_checkpoint(folder: Path, method: str, group: int, act_order: bool) -> 
     return model
 
 
+def assert_logprobs_match_hf(hf: LlamaForCausalLM, prompts: list[list[int]], outputs) -> None:
+    """Each chosen token's log-probability within LOGPROB_TOLERANCE of HF's on the same
+    tokens."""
+    for prompt, out in zip(prompts, outputs):
+        ids = out.outputs[0].token_ids
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        want = torch.log_softmax(logits.float(), dim=-1)
+        for i, t in enumerate(ids):
+            got = out.outputs[0].logprobs[i][t].logprob
+            assert math.isclose(got, float(want[i, t]), abs_tol=LOGPROB_TOLERANCE), (i, got)
+
+
 def test_unpacking_undoes_the_formats_packing() -> None:
     values = np.random.default_rng(0).integers(0, 16, size=(16, 8, 24))
     rows = torch.from_numpy(pack_words(values.transpose(0, 2, 1)))  # along rows: [16, 24]
@@ -160,14 +173,7 @@ def test_int4_checkpoint_matches_hf_on_its_dequantized_weights(
         llm.shutdown()
     tokens = [o.outputs[0].token_ids for o in outputs]
     assert compare_greedy(hf, prompts, tokens) == 0
-    for prompt, out in zip(prompts, outputs):
-        ids = out.outputs[0].token_ids
-        with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
-        want = torch.log_softmax(logits.float(), dim=-1)
-        for i, t in enumerate(ids):
-            got = out.outputs[0].logprobs[i][t].logprob
-            assert math.isclose(got, float(want[i, t]), abs_tol=LOGPROB_TOLERANCE), (i, got)
+    assert_logprobs_match_hf(hf, prompts, outputs)
 
 
 def test_int4_checkpoint_on_triton_matmuls_matches_hf(tmp_path, monkeypatch) -> None:
@@ -194,14 +200,8 @@ def test_int4_checkpoint_on_triton_matmuls_matches_hf(tmp_path, monkeypatch) -> 
     for prompt, out in zip(prompts, outputs):
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
-        ids = out.outputs[0].token_ids
-        assert ids == ref[0, len(prompt) :].tolist()
-        with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
-        want = torch.log_softmax(logits.float(), dim=-1)
-        for i, t in enumerate(ids):
-            got = out.outputs[0].logprobs[i][t].logprob
-            assert math.isclose(got, float(want[i, t]), abs_tol=LOGPROB_TOLERANCE), (i, got)
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+    assert_logprobs_match_hf(hf, prompts, outputs)
 
 
 def test_quantization_named_against_the_checkpoint(tmp_path) -> None:

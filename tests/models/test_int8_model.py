@@ -6,8 +6,7 @@ decide the comparison."""
 from __future__ import annotations
 
 import pytest
-import torch
-from helpers import smollm2_prompts
+from helpers import smollm2_prompts, teacher_forced_logprobs
 from transformers import AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
@@ -21,16 +20,6 @@ MEAN_TOLERANCE = 0.2
 P95_TOLERANCE = 0.75
 
 
-def score(llm: LLM, sequences: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    """Each continuation's tokens' log-probabilities given its prompt and the tokens before."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p + c} for p, c in sequences], params, use_tqdm=False)
-    values = []
-    for (prompt, cont), out in zip(sequences, outs):
-        values += [out.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(cont)]
-    return torch.tensor(values)
-
-
 @pytest.mark.slow
 def test_int8_w8a8_log_probabilities_stay_near_bf16(smollm2_path: str) -> None:
     prompts = smollm2_prompts(AutoTokenizer.from_pretrained(smollm2_path))[:8]
@@ -41,13 +30,13 @@ def test_int8_w8a8_log_probabilities_stay_near_bf16(smollm2_path: str) -> None:
         greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
         outs = base.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         sequences = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
-        reference = score(base, sequences)
+        reference = teacher_forced_logprobs(base, sequences)
     finally:
         base.shutdown()
     int8 = LLM(smollm2_path, quantization="int8", **common)
     try:
         assert int8.llm_engine.config.model_config.quantization == "int8"
-        got = score(int8, sequences)
+        got = teacher_forced_logprobs(int8, sequences)
     finally:
         int8.shutdown()
     diff = (got - reference).abs()

@@ -4,16 +4,12 @@
 
 from __future__ import annotations
 
-import shutil
-
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from tokenmill.kernels import cpu
 from tokenmill.kernels.cpu import gguf as G
-from tokenmill.protocol import envs
 from tokenmill.worker.layers.quantization.gguf import GGUFWeight, _reverse_permute
 
 TYPES = [G.Q4_0, G.Q4_1, G.Q8_0]
@@ -109,24 +105,6 @@ def test_repack_refuses_shapes_the_kernels_do_not_take() -> None:
         G.repack(random_blocks(G.Q4_0, 48, 64, seed=1), G.Q4_0)
     with pytest.raises(ValueError, match="uint8"):
         G.repack(torch.zeros(64, 19, dtype=torch.uint8), G.Q4_0)
-
-
-@pytest.fixture(scope="module")
-def kernels() -> None:
-    if shutil.which("c++") is None and not cpu.build_dir(envs.TOKENMILL_CACHE).exists():
-        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
-    assert cpu.load(envs.TOKENMILL_CACHE), "the CPU kernels failed to build (see the log)"
-
-
-@pytest.fixture(params=[3, 2, 1, 0, -1], ids=lambda level: f"isa{level}")
-def isa(request, kernels) -> int:
-    """The kernels capped at each instruction set level this CPU runs."""
-    full = cpu.limit_isa(3)
-    if request.param > full:
-        pytest.skip(f"this CPU runs up to level {full}")
-    cpu.limit_isa(request.param)
-    yield request.param
-    cpu.limit_isa(full)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: G.NAMES[t])

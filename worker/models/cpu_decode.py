@@ -38,16 +38,8 @@ class DecodePlan:
 
 def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
     """The plan for these layers, or None where one of them cannot run in the call."""
-    from tokenmill.kernels.cpu.gguf import PackedGGUF
-    from tokenmill.kernels.cpu.int8 import QTYPE as INT8_QTYPE
-    from tokenmill.kernels.cpu.int8 import PackedInt8
-    from tokenmill.kernels.cpu.int8 import fuses_silu_mul as int8_fuses_silu_mul
+    from tokenmill.kernels.cpu import int8
     from tokenmill.kernels.cpu.linear import fuses_silu_mul
-
-    def runs_in_loop(q) -> bool:  # GGUF blocks in x's own feature order, int8 on the kernel
-        if isinstance(q, PackedInt8):
-            return q.kernel
-        return isinstance(q, PackedGGUF) and q.perm is None
     from tokenmill.worker.attention.cpu_backend import CpuAttentionBackend
     from tokenmill.worker.models.llama import LlamaDecoderLayer, LlamaMLP
     from tokenmill.worker.parallel_state import get_tp_size
@@ -74,24 +66,18 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
             or any(p.qweight is None and (p.weight.dim() < 3 or p.weight.dtype != dtype)
                    for p in projections)  # fmt: skip
             or (mlp.gate_up_proj.qweight is None and not fuses_silu_mul(mlp.gate_up_proj.weight))
-            or any(p.qweight is not None and not runs_in_loop(p.qweight) for p in projections)
-            or (isinstance(mlp.gate_up_proj.qweight, PackedInt8)
-                and not int8_fuses_silu_mul(mlp.gate_up_proj.qweight))
+            or any(p.qweight is not None and _decode_operands(p.qweight) is None
+                   for p in projections)  # fmt: skip
+            or (isinstance(mlp.gate_up_proj.qweight, int8.PackedInt8)
+                and not int8.fuses_silu_mul(mlp.gate_up_proj.qweight))
         ):
             return None
         weights += [norms[0].weight, projections[0].weight, projections[1].weight,
                     norms[1].weight, projections[2].weight, projections[3].weight]  # fmt: skip
         for p in projections:
-            q = p.qweight
-            if q is None:
-                quant += [None, None, None]
-                qtypes.append(0)
-            elif isinstance(q, PackedInt8):
-                quant += [q.qweight, q.scales, q.colsum]
-                qtypes.append(INT8_QTYPE)
-            else:
-                quant += [q.qs, q.d, q.m]
-                qtypes.append(q.qtype)
+            qtype, tensors = (0, [None] * 3) if p.qweight is None else _decode_operands(p.qweight)
+            quant += tensors
+            qtypes.append(qtype)
         biases += [getattr(p, "bias", None) for p in projections]
         caches.append(attn.kv_cache)
         windows.append(attn.sliding_window or 0)
@@ -104,6 +90,13 @@ def plan_decode(layers: nn.ModuleList, dtype: torch.dtype) -> DecodePlan | None:
         return None
     return DecodePlan(weights, biases, caches, windows, num_heads, num_kv_heads, scale, eps,
                       quant, qtypes)  # fmt: skip
+
+
+def _decode_operands(qweight) -> tuple[int, list[torch.Tensor | None]] | None:
+    """A quantized weight's operands for the call (its `decode_operands`), None for kinds
+    the call does not take (Triton's)."""
+    operands = getattr(qweight, "decode_operands", None)
+    return operands() if operands is not None else None
 
 
 def run_decode(

@@ -5,8 +5,8 @@ weight arrives through the layer's own `weight_loader`, and `finalize` turns wha
 into the layer's run-time form.
 
 Formats: "gguf" (llama.cpp's block formats; automatic for a GGUF model: gguf.py), "awq" and
-"gptq" (int4 safetensors checkpoints, turned into the kernels' int4 blocks at load: int4.py).
-Still to come: "int8".
+"gptq" (int4 safetensors checkpoints, turned into the kernels' int4 blocks at load: int4.py),
+"int8" (W8A8, any unquantized checkpoint quantized at load: int8.py).
 """
 
 from __future__ import annotations

@@ -232,6 +232,9 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
         ):
             users.setdefault(id(weight), []).append(module)
             params[id(weight)] = weight
+    def is_matmul(module: nn.Module) -> bool:  # (else an embedding)
+        return isinstance(module, (LinearBase, ParallelLMHead))
+
     native, dense = Counter(), Counter()
     for key, modules in users.items():
         param = params[key]
@@ -244,10 +247,6 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
         shape = (param.shape[0], param.shape[1])
         needs_dense = False
         packed = None
-
-        def is_matmul(module: nn.Module) -> bool:
-            return isinstance(module, (LinearBase, ParallelLMHead))
-
         # Matmuls first: a tied embedding then looks its rows up in its LM head's blocks
         # rather than keep a second copy.
         for module in sorted(modules, key=lambda m: not is_matmul(m)):

@@ -26,8 +26,7 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
         if not isinstance(module, LinearBase) or module.qweight is not None:
             continue
         weight = module.weight
-        shape = (weight.shape[0], weight.shape[1])
-        if weight.dim() != 2 or not kernels.supported(shape):
+        if weight.dim() != 2 or not kernels.supported((weight.shape[0], weight.shape[1])):
             kept += 1
             continue
         module.qweight = kernels.pack(weight.data, kernel=kernels_in_use, triton=triton)
