@@ -38,7 +38,8 @@ def test_sampling_defaults_read_vllms_fields(model_with_defaults, tmp_path) -> N
 @pytest.mark.parametrize("generation_config", ["auto", "vllm"])
 def test_llm_applies_the_models_defaults(model_with_defaults, generation_config) -> None:
     llm = LLM(str(model_with_defaults), multiprocess=False, skip_tokenizer_init=True,
-              kv_cache_memory_bytes=32 << 20, generation_config=generation_config)  # fmt: skip
+              kv_cache_memory_bytes=32 << 20, generation_config=generation_config,
+              dtype="float32")  # fmt: skip
     try:
         defaults = llm.get_default_sampling_params()
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, use_tqdm=False)]

@@ -23,6 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 def make_llm(path, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory_bytes", 32 << 20)
+    kwargs.setdefault("dtype", "float32")  # compared across processes and thread counts
     return LLM(str(path), skip_tokenizer_init=True, **kwargs)
 
 
