@@ -2,9 +2,10 @@
 kernels/cpu/int8.py): y = x @ W^T (+ bias).
 
 `gguf_matmul`: W kept as the file's rows of blocks, [N, K / 32 * block bytes] uint8 (Q4_0, Q4_1,
-Q8_0, and the int4 checkpoints' Q4_Z). A program takes a tile of BLOCK_M rows x BLOCK_N output
-columns and walks K one block of 32 at a time: the tile's blocks are read as bytes, their
-fp16 scales put together from two bytes, their 4- or 8-bit integers unpacked and
+Q8_0, the int4 checkpoints' Q4_Z, and Q4_F, Q8_F, Q8_S: Q4_K, Q5_K and Q6_K rewritten). A
+program takes a tile of BLOCK_M rows x BLOCK_N output columns and walks K one block of 32 at
+a time: the tile's blocks are read as bytes, their fp16 (or fp32) scales put together from
+bytes, their 4- or 8-bit integers unpacked and
 de-quantized in registers (GGUF's own arithmetic, in fp32), and multiplied there, in x's
 16-bit type with fp32 sums (the de-quantized weights rounded to it, as a de-quantized
 checkpoint would hold them) or, for fp32 x and in the interpreter, in IEEE fp32.
@@ -72,7 +73,7 @@ def _gguf_matmul_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
-    QTYPE: tl.constexpr,  # GGML's id (2 Q4_0, 3 Q4_1, 8 Q8_0), 1000 (Q4_Z) or 1001 (Q4_F)
+    QTYPE: tl.constexpr,  # GGML's id (2 Q4_0, 3 Q4_1, 8 Q8_0) or tokenmill's (kernels/cpu/gguf.py)
     BLOCK_BYTES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -89,13 +90,21 @@ def _gguf_matmul_kernel(
         x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + (b * 32 + j)[None, :],
                     mask=m_ok[:, None], other=0.0)  # fmt: skip
         block = rows + b * BLOCK_BYTES
-        if QTYPE == 1001:
+        if QTYPE >= 1001:  # fp32 fields
             d = _fp32_at(block, n_ok[:, None])  # [BLOCK_N, 1]
         else:
             d = _fp16_at(block, n_ok[:, None])
         if QTYPE == 8:
             q = tl.load(block + 2 + j[None, :], mask=n_ok[:, None], other=0)
             w = d * q.to(tl.int8, bitcast=True).to(tl.float32)
+        elif QTYPE == 1002 or QTYPE == 1003:  # Q8_F: d * q + m; Q8_S: d, then e, per 16
+            q = tl.load(block + 8 + j[None, :], mask=n_ok[:, None], other=0)
+            q = q.to(tl.int8, bitcast=True).to(tl.float32)
+            second = _fp32_at(block + 4, n_ok[:, None])
+            if QTYPE == 1002:
+                w = d * q + second
+            else:
+                w = tl.where((j < 16)[None, :], d, second) * q
         else:
             first = 8 if QTYPE == 1001 else 4 if (QTYPE == 3 or QTYPE == 1000) else 2
             byte = tl.load(block + first + (j % 16)[None, :], mask=n_ok[:, None], other=0)

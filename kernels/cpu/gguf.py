@@ -12,9 +12,14 @@ A GGUF tensor [N, K] of a block type is N rows of K / 32 blocks; a block holds 3
   Q4_F: no GGML type either: fp32 d, fp32 m, 16 bytes of 4-bit q as Q4_0; w = d * q + m
         (GGUF's Q4_K, rewritten exactly: its per-32 scale and minimum, an fp16 times a 6-bit
         integer, need fp32)
-Other GGUF types become one of these where they can exactly: Q5_0 as Q8_0, Q4_K as Q4_F.
-`repack` turns those rows into the kernel's groups of 16 columns (csrc/gguf_linear.cpp says
-the layout); the bytes per weight stay the file's (0.56, 0.63, 1.06).
+  Q8_F: fp32 d, fp32 m, 32 int8 q; w = d * q + m (GGUF's Q5_K: Q4_K's scales with 5-bit q)
+  Q8_S: fp32 d, fp32 e, 32 int8 q; w = d * q for weights 0-15, e * q for 16-31 (GGUF's Q6_K:
+        6-bit q and an int8 scale per 16 weights of an fp16 d, d * scale exact in fp32)
+Other GGUF types become one of these where they can exactly: Q5_0 as Q8_0, Q4_K as Q4_F,
+Q5_K as Q8_F, Q6_K as Q8_S. `repack` turns those rows into the kernel's groups of 16 columns
+(csrc/gguf_linear.cpp says the layout); the bytes per weight stay the file's (0.56, 0.63,
+1.06) for the first three, 0.75 for Q4_F, 1.25 for Q8_F and Q8_S (Q5_K's 0.69 and Q6_K's
+0.82 bytes widened to whole bytes: the kernels have no 5- or 6-bit path).
 """
 
 from __future__ import annotations
@@ -24,10 +29,15 @@ from dataclasses import dataclass
 import torch
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
-Q4_Z, Q4_F = 1000, 1001  # tokenmill's own ids, beyond GGML's
+Q4_Z, Q4_F, Q8_F, Q8_S = 1000, 1001, 1002, 1003  # tokenmill's own ids, beyond GGML's
 BLOCK = 32  # weights per block
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_Z: 20, Q4_F: 24}
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_Z: "Q4_Z", Q4_F: "Q4_F"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_Z: 20, Q4_F: 24, Q8_F: 40, Q8_S: 40}
+NAMES = {
+    Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_Z: "Q4_Z", Q4_F: "Q4_F", Q8_F: "Q8_F",
+    Q8_S: "Q8_S",
+}  # fmt: skip
+EIGHT_BIT = (Q8_0, Q8_F, Q8_S)  # a byte per weight; the others pack two in a byte
+FP32_SCALES = (Q4_F, Q8_F, Q8_S)
 GROUP = 16  # output columns per group of the kernel's layout
 # Columns the kernel's many-row path de-quantizes at a time: N must be a multiple.
 COLUMN_BLOCK = 64
@@ -57,9 +67,11 @@ def _fields(raw: torch.Tensor, qtype: int):
     """(d, m or None, q [N, K] as integers) of a GGUF tensor's rows."""
     blocks = _blocks(raw, qtype)
     n = blocks.shape[0]
-    if qtype == Q4_F:
+    if qtype in FP32_SCALES:
         d = blocks[..., 0:4].contiguous().view(torch.float32).squeeze(-1)
         m = blocks[..., 4:8].contiguous().view(torch.float32).squeeze(-1)
+        if qtype != Q4_F:
+            return d, m, blocks[..., 8:].contiguous().view(torch.int8).reshape(n, -1)
         nibbles = blocks[..., 8:]
         return d, m, torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(n, -1)
     d = _half(blocks, 0)
@@ -104,13 +116,7 @@ def q4_k_as_q4_f(raw: torch.Tensor) -> torch.Tensor:
     supers = blocks.shape[1]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    s = blocks[..., 4:16].to(torch.int32)  # [N, S, 12]
-    # Sub-block j's 6-bit scale and minimum (llama.cpp's get_scale_min_k4).
-    low_sc, low_m = s[..., 0:4] & 63, s[..., 4:8] & 63
-    high_sc = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
-    high_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    sc = torch.cat((low_sc, high_sc), dim=-1).float()  # [N, S, 8]
-    mn = torch.cat((low_m, high_m), dim=-1).float()
+    sc, mn = _k_scales(blocks[..., 4:16])  # [N, S, 8]
     # Sub-blocks 2i and 2i + 1: the low and high nibbles of bytes [32 i, 32 i + 32).
     qs = blocks[..., 16:].view(n, supers, 4, 32)
     q = torch.stack((qs & 0xF, qs >> 4), dim=3).view(n, supers, 8, 32)  # [N, S, 8, 32]
@@ -121,18 +127,88 @@ def q4_k_as_q4_f(raw: torch.Tensor) -> torch.Tensor:
     return out.view(n, -1)
 
 
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 sub-blocks' 6-bit scales and minimums [N, S, 8] of Q4_K's and Q5_K's 12 bytes
+    [N, S, 12] (llama.cpp's get_scale_min_k4)."""
+    s = s.to(torch.int32)
+    low_sc, low_m = s[..., 0:4] & 63, s[..., 4:8] & 63
+    high_sc = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    high_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return torch.cat((low_sc, high_sc), dim=-1).float(), torch.cat((low_m, high_m), dim=-1).float()
+
+
+def _eight_bit_blocks(first: torch.Tensor, second: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q8_F / Q8_S rows [N, K / 32 * 40] from per-block fp32 fields [N, B] and q [N, B, 32]."""
+    n, b = q.shape[0], q.shape[1]
+    out = torch.empty(n, b, 40, dtype=torch.uint8)
+    out[..., 0:4] = first.float().unsqueeze(-1).contiguous().view(torch.uint8)
+    out[..., 4:8] = second.float().unsqueeze(-1).contiguous().view(torch.uint8)
+    out[..., 8:] = q.to(torch.int8).view(torch.uint8)
+    return out.view(n, -1)
+
+
+Q5_K = 13  # GGML's id: 256 weights: fp16 d, fp16 dmin, 12 bytes of scales and minimums as
+Q5_K_BYTES = 176  # Q4_K's, 32 bytes of fifth bits, 128 of nibbles; w = d * sc * q - dmin * m
+
+
+def q5_k_as_q8_f(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_K rows [N, K / 256 * 176] as Q8_F rows [N, K / 32 * 40], the same weights exactly
+    (GGUF's arithmetic: (d * sc) * q - dmin * m with both products exact in fp32)."""
+    n = raw.shape[0]
+    blocks = raw.contiguous().view(n, -1, Q5_K_BYTES)
+    supers = blocks.shape[1]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    sc, mn = _k_scales(blocks[..., 4:16])  # [N, S, 8]
+    high = blocks[..., 16:48].to(torch.int32)  # [N, S, 32]: bit i of byte l: sub-block i's
+    low = blocks[..., 48:].view(n, supers, 4, 32).to(torch.int32)
+    nibbles = torch.stack((low & 0xF, low >> 4), dim=3).view(n, supers, 8, 32)
+    fifth = (high.unsqueeze(2) >> torch.arange(8).view(1, 1, 8, 1)) & 1
+    q = nibbles | (fifth << 4)  # [N, S, 8, 32], in [0, 31]
+    return _eight_bit_blocks(
+        (d * sc).view(n, -1), (-(dmin * mn)).view(n, -1), q.view(n, supers * 8, 32)
+    )
+
+
+Q6_K = 14  # GGML's id: 256 weights: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+Q6_K_BYTES = 210  # scales (one per 16 weights), fp16 d; w = d * scale * (q - 32)
+
+
+def q6_k_as_q8_s(raw: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows [N, K / 256 * 210] as Q8_S rows [N, K / 32 * 40], the same weights exactly
+    (GGUF's arithmetic: (d * scale) * q, the product exact in fp32; q - 32 fits int8)."""
+    n = raw.shape[0]
+    blocks = raw.contiguous().view(n, -1, Q6_K_BYTES)
+    supers = blocks.shape[1]
+    ql = blocks[..., 0:128].view(n, supers, 2, 2, 32).to(torch.int32)  # [half, 32-byte run, l]
+    qh = blocks[..., 128:192].view(n, supers, 2, 32).to(torch.int32)  # [half, l]
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # [N, S, 1]
+    # Within a half of 128 weights, 32-weight run r (0-3) takes the low (r < 2) or high
+    # nibbles of ql's run r % 2 and bits 2r, 2r + 1 of qh (llama.cpp's dequantize_row_q6_K).
+    nib = torch.stack((ql[..., 0, :] & 0xF, ql[..., 1, :] & 0xF, ql[..., 0, :] >> 4,
+                       ql[..., 1, :] >> 4), dim=3)  # fmt: skip  [N, S, half, run, 32]
+    pairs = (qh.unsqueeze(3) >> (2 * torch.arange(4)).view(1, 1, 1, 4, 1)) & 3
+    q = (nib | (pairs << 4)) - 32  # [N, S, 2, 4, 32] = 8 blocks of 32 in order
+    per16 = (d * scales).view(n, supers * 8, 2)  # block b's two halves' scales
+    return _eight_bit_blocks(per16[..., 0], per16[..., 1], q.reshape(n, supers * 8, 32))
+
+
 def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """The fp32 weights [N, K] of a GGUF tensor's rows, in GGUF's own arithmetic (the fp16
     fields widened, one fp32 product and, for Q4_1, one sum per weight)."""
     d, m, q = _fields(raw, qtype)
     n, k = q.shape
+    if qtype == Q8_S:  # weights 0-15 of a block times d, 16-31 times e (m's place)
+        halves = torch.stack((d, m), dim=-1).repeat_interleave(BLOCK // 2, dim=-1)
+        return halves.view(n, k) * q.float()
     scale = d.float().repeat_interleave(BLOCK, dim=1)
     if qtype == Q4_0:
         return scale * (q.float() - 8)
     if qtype == Q4_Z:
         return scale * (q.float() - m.float().repeat_interleave(BLOCK, dim=1))
     w = scale * q.float()
-    if qtype in (Q4_1, Q4_F):
+    if qtype in (Q4_1, Q4_F, Q8_F):
         w = w + m.float().repeat_interleave(BLOCK, dim=1)
     return w
 
@@ -144,8 +220,8 @@ class PackedGGUF:
     qtype: int
     shape: tuple[int, int]  # the logical [N, K]
     qs: torch.Tensor  # uint8 [N / 16, K / 32, pairs, 32]
-    d: torch.Tensor  # fp16 [N / 16, K / 32, 16]
-    m: torch.Tensor | None  # fp16, as d (Q4_1's m, Q4_Z's z)
+    d: torch.Tensor  # fp16 (fp32: Q4_F, Q8_F, Q8_S) [N / 16, K / 32, 16]
+    m: torch.Tensor | None  # as d (Q4_1's, Q4_F's and Q8_F's m, Q4_Z's z, Q8_S's e)
     # The input features in the weight's column order (GPTQ's act-order: the checkpoint's
     # columns sorted by group), taken from x before the product; None: x's own order.
     perm: torch.Tensor | None = None
@@ -171,7 +247,7 @@ class PackedGGUF:
         qs = self.qs[group]  # [T, blocks, pairs, 32]: word j is column j // 2 at k parity j % 2
         words = torch.stack((2 * column, 2 * column + 1), dim=-1).view(t, 1, 1, 2)
         picked = qs.gather(3, words.expand(t, blocks, qs.shape[2], 2))  # [T, blocks, pairs, 2]
-        if self.qtype == Q8_0:
+        if self.qtype in EIGHT_BIT:
             q = picked.view(torch.int8).reshape(t, k).float()
         else:  # byte row pp holds pair 2pp in its low nibbles, 2pp + 1 in its high ones
             q = torch.stack((picked & 0xF, picked >> 4), dim=3).reshape(t, k).float()
@@ -181,12 +257,15 @@ class PackedGGUF:
             return s[group].gather(2, at).view(t, blocks).float().repeat_interleave(BLOCK, dim=1)
 
         scale = per_block(self.d)
+        if self.qtype == Q8_S:  # weights 16-31 of each block take e
+            first = torch.arange(k) % BLOCK < BLOCK // 2
+            return torch.where(first, scale, per_block(self.m)) * q
         if self.qtype == Q4_0:
             return scale * (q - 8)
         if self.qtype == Q4_Z:
             return scale * (q - per_block(self.m))
         w = scale * q
-        return w + per_block(self.m) if self.qtype in (Q4_1, Q4_F) else w
+        return w + per_block(self.m) if self.qtype in (Q4_1, Q4_F, Q8_F) else w
 
 
 def repack(raw: torch.Tensor, qtype: int, perm: torch.Tensor | None = None) -> PackedGGUF:
@@ -200,8 +279,8 @@ def repack(raw: torch.Tensor, qtype: int, perm: torch.Tensor | None = None) -> P
     words = q.view(groups, GROUP, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(
         groups, blocks, 16, 2 * GROUP
     )
-    if qtype == Q8_0:
-        qs = words.contiguous().view(torch.uint8)
+    if qtype in EIGHT_BIT:
+        qs = words.to(torch.int8).contiguous().view(torch.uint8)
     else:  # pairs 2p and 2p + 1 share a row of bytes: low and high nibbles
         pairs = words.view(groups, blocks, 8, 2, 2 * GROUP).to(torch.uint8)
         qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()

@@ -65,8 +65,9 @@ def test_gemma3_270m_greedy_matches_hf(gemma3_path: str) -> None:
 
 
 def test_gemma3_270m_from_its_gguf_file_matches_hf(gemma3_path: str) -> None:
-    """The Q4_K_M file run as stored (quantization="gguf": its K-quant tensors de-quantized at
-    load, its norms' stored 1 + w put back to w): HF's greedy tokens on the converted weights."""
+    """The Q4_K_M file run as stored (quantization="gguf": its Q5_0, Q4_K and Q6_K tensors
+    rewritten as the kernels' blocks, its norms' stored 1 + w put back to w): HF's greedy
+    tokens on the converted weights."""
     tokenizer = AutoTokenizer.from_pretrained(gemma3_path)
     prompts = [tokenizer.encode(text) for text in TEXTS[:5]]
     llm = LLM(str(gemma3_gguf_file()), dtype="float32", max_model_len=1024,

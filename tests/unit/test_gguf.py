@@ -13,8 +13,9 @@ from tokenmill.kernels.cpu import gguf as G
 from tokenmill.worker.layers.quantization.gguf import GGUFWeight, _reverse_permute
 
 TYPES = [G.Q4_0, G.Q4_1, G.Q8_0]
-# Q4_Z: the int4 checkpoints' (AWQ, GPTQ) blocks; Q4_F: Q4_K's, rewritten
-KERNEL_TYPES = TYPES + [G.Q4_Z, G.Q4_F]
+# Q4_Z: the int4 checkpoints' (AWQ, GPTQ) blocks; Q4_F, Q8_F, Q8_S: Q4_K's, Q5_K's and
+# Q6_K's, rewritten
+KERNEL_TYPES = TYPES + [G.Q4_Z, G.Q4_F, G.Q8_F, G.Q8_S]
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -33,10 +34,16 @@ def random_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
         m[4, 0] = -65504.0
         raw[..., 2:4] = m.half().view(torch.uint8).view(n, blocks, 2)
         start = 4
-    if qtype == G.Q4_F:  # fp32 scales and minimums (as d * sc and -dmin * m make them)
+    if qtype in (G.Q4_F, G.Q8_F):  # fp32 scales and minimums (as d * sc and -dmin * m are)
         raw[..., 0:4] = (d.float() * 63).view(torch.uint8).view(n, blocks, 4)
         m = -torch.rand(n, blocks, generator=g) * 0.5
         raw[..., 4:8] = m.view(torch.uint8).view(n, blocks, 4)
+        start = 8
+    if qtype == G.Q8_S:  # two fp32 scales (d * scale, scale an int8: -128 among them)
+        raw[..., 0:4] = (d.float() * -128).view(torch.uint8).view(n, blocks, 4)
+        e = torch.randn(n, blocks, generator=g) * 0.02 * 127
+        e[4, 0] = 0.0
+        raw[..., 4:8] = e.view(torch.uint8).view(n, blocks, 4)
         start = 8
     if qtype == G.Q4_Z:  # integer zero points, 0 and 15 among them
         z = torch.randint(0, 16, (n, blocks), generator=g).float()
@@ -81,6 +88,36 @@ def test_q4_k_rewritten_as_q4_f_holds_the_same_weights() -> None:
     assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs, dtype=np.float32)))
 
 
+def k_quant_blocks(qtype: gguf.GGMLQuantizationType, rows: int, seed: int) -> torch.Tensor:
+    """Random super-blocks of 256 weights (every byte random but the fp16 scales, which are
+    finite), with one of all-ones bytes (the largest q, scales, minimums: 0xFF) and one of
+    zeros."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, 2, size), dtype=torch.uint8, generator=g)
+    scales = (torch.randn(rows, 2, 2, generator=g) * 0.02).half().view(torch.uint8)
+    raw[1, 0], raw[2, 0] = 0xFF, 0x00
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # d last
+        raw[..., size - 2 :] = scales[..., 0:2]
+    else:  # d and dmin first
+        raw[..., 0:4] = scales
+    return raw.view(rows, -1)
+
+
+@pytest.mark.parametrize(
+    "name, rewrite, target",
+    [("Q5_K", G.q5_k_as_q8_f, G.Q8_F), ("Q6_K", G.q6_k_as_q8_s, G.Q8_S)],
+)
+def test_k_quants_rewritten_as_eight_bit_blocks_hold_the_same_weights(
+    name, rewrite, target
+) -> None:
+    qtype = gguf.GGMLQuantizationType[name]
+    raw = k_quant_blocks(qtype, 16, seed=int(qtype))
+    theirs = gguf.quants.dequantize(raw.numpy(), qtype)
+    ours = G.dequantize(rewrite(raw), target)
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(theirs, dtype=np.float32)))
+
+
 def test_q4_z_dequantizes_as_scale_times_q_minus_zero() -> None:
     raw = random_blocks(G.Q4_Z, 16, 64, seed=5)
     blocks = raw.view(16, 2, 20)
@@ -113,8 +150,10 @@ def test_gguf_linear_equals_dequantize_then_matmul(isa, qtype: int, dtype) -> No
     n, k = 192, 320
     raw = random_blocks(qtype, n, k, seed=7 * qtype)
     scales = torch.rand(n, k // 32, 1) * 0.05  # moderate scales here: the extremes' products
-    if qtype == G.Q4_F:  # would swamp the bound below
+    if qtype in G.FP32_SCALES:  # would swamp the bound below
         raw.view(n, k // 32, -1)[:, :, 0:4] = scales.view(torch.uint8)
+        if qtype == G.Q8_S:
+            raw.view(n, k // 32, -1)[:, :, 4:8] = (-scales).view(torch.uint8)
     else:
         raw.view(n, k // 32, -1)[:, :, 0:2] = scales.half().view(torch.uint8)
     weight = G.dequantize(raw, qtype)

@@ -10,7 +10,9 @@
 // Q4_Z is no GGML type but the int4 checkpoints' (AWQ, GPTQ): Q4_1's layout with m holding an
 // integer zero point z per block (exact in fp16), w = d * (q - z). Q4_F neither: Q4_1 with d
 // and m in fp32 (GGUF's Q4_K, whose per-32 scale and minimum, fp16 times a 6-bit integer, are
-// exact in fp32 only).
+// exact in fp32 only). Q8_F and Q8_S are Q8_0's bytes with fp32 fields: Q8_F w = d * q + m
+// (GGUF's Q5_K), Q8_S w = d * q for k 0-15 of a block and e * q for k 16-31, e in m's place
+// (GGUF's Q6_K, a scale per 16 weights).
 //
 // Few rows (decodes) on AVX512-BF16: each block's values become exact bf16 integers in
 // registers (a table lookup for 4 bits, a conversion for 8) and meet the activations in dot
@@ -39,6 +41,7 @@ namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML's type ids
 constexpr int64_t kQ4_Z = 1000, kQ4_F = 1001;     // tokenmill's (kernels/cpu/gguf.py)
+constexpr int64_t kQ8_F = 1002, kQ8_S = 1003;
 constexpr int64_t kGroup = 16;                    // output columns per group
 constexpr int64_t kBlockK = 32;                   // weights per scale
 constexpr int64_t kColumnBlock = 64;              // columns per task on the many-row path
@@ -46,8 +49,15 @@ constexpr int64_t kRowBlock = 256;                // rows per microkernel call t
 constexpr int64_t kFewRows = 4;                   // rows up to which the dot-product loop runs
 constexpr int64_t kPrefetchBlocks = 8;            // how far ahead that loop prefetches
 
+// A byte per weight (else two 4-bit weights per byte).
+bool eight_bit(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ8_F || qtype == kQ8_S; }
+// d and m in fp32 (else fp16).
+bool fp32_fields(int64_t qtype) { return qtype == kQ4_F || qtype == kQ8_F || qtype == kQ8_S; }
+// w = d * q + m (a minimum added per block).
+bool adds_minimum(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ4_F || qtype == kQ8_F; }
+
 // Bytes of qs per (group, block).
-int64_t group_block_bytes(int64_t qtype) { return qtype == kQ8_0 ? 16 * 32 : 8 * 32; }
+int64_t group_block_bytes(int64_t qtype) { return eight_bit(qtype) ? 16 * 32 : 8 * 32; }
 
 // The 4-bit value of column c at k = 2p + e (within its block) in a Q4 group block.
 inline int q4_value(const uint8_t* gb, int64_t p, int64_t c, int64_t e) {
@@ -56,11 +66,13 @@ inline int q4_value(const uint8_t* gb, int64_t p, int64_t c, int64_t e) {
 }
 
 // The weight of column c at k = 2p + e of a group block, as GGUF de-quantizes it in fp32
-// (scale: the column's d; m: its minimum or zero point).
+// (scale: the column's d; m: its minimum, zero point or second scale).
 inline float weight_value(int64_t qtype, const uint8_t* gb, float scale, float m, int64_t p,
                           int64_t c, int64_t e) {
-  if (qtype == kQ8_0) {
-    return scale * static_cast<float>(static_cast<int8_t>(gb[p * 32 + 2 * c + e]));
+  if (eight_bit(qtype)) {
+    const float q = static_cast<float>(static_cast<int8_t>(gb[p * 32 + 2 * c + e]));
+    if (qtype == kQ8_S) return (p < 8 ? scale : m) * q;
+    return qtype == kQ8_F ? scale * q + m : scale * q;
   }
   const int q = q4_value(gb, p, c, e);
   if (qtype == kQ4_0) return scale * static_cast<float>(q - 8);
@@ -73,7 +85,7 @@ struct Weight {
   const void* d;  // fp16, or fp32 (Q4_F)
   const void* m;  // Q4_1's and Q4_F's minimum, Q4_Z's zero point
   int64_t qtype, n, k, blocks;
-  bool f32() const { return qtype == kQ4_F; }
+  bool f32() const { return fp32_fields(qtype); }
   const uint8_t* group_block(int64_t g, int64_t b) const {
     return qs + (g * blocks + b) * group_block_bytes(qtype);
   }
@@ -180,11 +192,20 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
                      _MM_HINT_T0);
       }
     }
-    if (w.qtype == kQ8_0) {
+    if (eight_bit(w.qtype)) {
       for (int64_t p = 0; p < 16; ++p) {
         __m512i v[GN];
         for (int j = 0; j < GN; ++j) v[j] = q8_pair(w.group_block(g0 + j, b) + p * 32);
         pair_dot<M, GN>(s, v, x, w.k, k0 + 2 * p);
+        if (w.qtype == kQ8_S && p == 7) {  // k 0-15 done: their scale d, then on with e's
+          for (int j = 0; j < GN; ++j) {
+            const __m512 dv = load_scales(w, w.d, g0 + j, b);
+            for (int r = 0; r < M; ++r) {
+              acc[r][j] = _mm512_fmadd_ps(dv, s[r][j], acc[r][j]);
+              s[r][j] = _mm512_setzero_ps();
+            }
+          }
+        }
       }
     } else {
       for (int64_t pp = 0; pp < 8; ++pp) {
@@ -195,7 +216,7 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
       }
     }
     for (int j = 0; j < GN; ++j) {
-      const __m512 dv = load_scales(w, w.d, g0 + j, b);
+      const __m512 dv = load_scales(w, w.qtype == kQ8_S ? w.m : w.d, g0 + j, b);
       if (w.qtype == kQ4_Z) {  // d * (sum x q - z * sum x)
         const __m512 zv = load_scales(w, w.m, g0 + j, b);
         for (int r = 0; r < M; ++r) {
@@ -205,7 +226,7 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
         continue;
       }
       for (int r = 0; r < M; ++r) acc[r][j] = _mm512_fmadd_ps(dv, s[r][j], acc[r][j]);
-      if (w.qtype == kQ4_1 || w.qtype == kQ4_F) {
+      if (adds_minimum(w.qtype)) {
         const __m512 mv = load_scales(w, w.m, g0 + j, b);
         for (int r = 0; r < M; ++r) {
           acc[r][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * w.blocks + b]), acc[r][j]);
@@ -304,14 +325,14 @@ TOKENMILL_BF16_TARGET void dequantize_columns_avx512(const Weight& w, int64_t n0
       const __m512 dv = load_scales(w, w.d, g, b);
       const __m512 d_lo = _mm512_permutexvar_ps(lo_cols, dv), d_hi = _mm512_permutexvar_ps(hi_cols, dv);
       __m512 m_lo = _mm512_setzero_ps(), m_hi = _mm512_setzero_ps();
-      if (w.m != nullptr) {  // Q4_1's minimum or Q4_Z's zero point
+      if (w.m != nullptr) {  // the minimum, zero point or second scale
         const __m512 mv = load_scales(w, w.m, g, b);
         m_lo = _mm512_permutexvar_ps(lo_cols, mv);
         m_hi = _mm512_permutexvar_ps(hi_cols, mv);
       }
       for (int64_t p = 0; p < 16; ++p) {
         __m512i q;  // the pair's 32 integers, as int16
-        if (w.qtype == kQ8_0) {
+        if (eight_bit(w.qtype)) {
           q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + p * 32)));
         } else {
           const __m512i bytes = _mm512_cvtepu8_epi16(
@@ -326,9 +347,10 @@ TOKENMILL_BF16_TARGET void dequantize_columns_avx512(const Weight& w, int64_t n0
           lo = _mm512_sub_ps(lo, m_lo);
           hi = _mm512_sub_ps(hi, m_hi);
         }
-        lo = _mm512_mul_ps(d_lo, lo);
-        hi = _mm512_mul_ps(d_hi, hi);
-        if (w.qtype == kQ4_1 || w.qtype == kQ4_F) {
+        const bool second = w.qtype == kQ8_S && p >= 8;  // k 16-31 of a Q8_S block: e
+        lo = _mm512_mul_ps(second ? m_lo : d_lo, lo);
+        hi = _mm512_mul_ps(second ? m_hi : d_hi, hi);
+        if (adds_minimum(w.qtype)) {
           lo = _mm512_add_ps(lo, m_lo);
           hi = _mm512_add_ps(hi, m_hi);
         }
@@ -422,22 +444,22 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
                        const c10::optional<at::Tensor>& m_in, int64_t qtype,
                        const c10::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_Z ||
-                  qtype == kQ4_F,
-              "gguf_linear: qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_Z (1000) or Q4_F "
-              "(1001), got ", qtype);
+                  qtype == kQ4_F || qtype == kQ8_F || qtype == kQ8_S,
+              "gguf_linear: qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_Z (1000), Q4_F "
+              "(1001), Q8_F (1002) or Q8_S (1003), got ", qtype);
   TORCH_CHECK(qs.dim() == 4 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
-                  qs.size(3) == 32 && qs.size(2) == (qtype == kQ8_0 ? 16 : 8),
+                  qs.size(3) == 32 && qs.size(2) == (eight_bit(qtype) ? 16 : 8),
               "gguf_linear: qs must be a contiguous uint8 [N / 16, K / 32, pairs, 32], got ",
               qs.sizes());
   const int64_t groups = qs.size(0), blocks = qs.size(1);
-  const auto scale_type = qtype == kQ4_F ? at::kFloat : at::kHalf;
+  const auto scale_type = fp32_fields(qtype) ? at::kFloat : at::kHalf;
   TORCH_CHECK(d.scalar_type() == scale_type && d.is_contiguous() &&
                   d.sizes() == at::IntArrayRef({groups, blocks, kGroup}),
               "gguf_linear: d must be ", scale_type, " [N / 16, K / 32, 16], got ", d.sizes(),
               " ", d.scalar_type());
   const bool has_m = m_in.has_value() && m_in->defined();
-  TORCH_CHECK(has_m == (qtype == kQ4_1 || qtype == kQ4_Z || qtype == kQ4_F),
-              "gguf_linear: Q4_1, Q4_Z and Q4_F, and only they, take m");
+  TORCH_CHECK(has_m == (qtype != kQ4_0 && qtype != kQ8_0),
+              "gguf_linear: every type but Q4_0 and Q8_0 takes m");
   if (has_m) {
     TORCH_CHECK(m_in->scalar_type() == scale_type && m_in->is_contiguous() &&
                     m_in->sizes() == d.sizes(),
@@ -495,9 +517,9 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   }
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows <= kFewRows && cpu_isa() >= 2) {
-    // Q4_1's m and Q4_Z's z meet each block's sum of x (a plain loop: torch ops here cost
-    // more than the product at one row).
-    std::vector<float> xsum(has_m ? rows * blocks : 0);
+    // A minimum or a zero point meets each block's sum of x (a plain loop: torch ops here
+    // cost more than the product at one row).
+    std::vector<float> xsum(adds_minimum(qtype) || qtype == kQ4_Z ? rows * blocks : 0);
     for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
       float sum = 0.f;
       for (int64_t j = 0; j < kBlockK; ++j) {

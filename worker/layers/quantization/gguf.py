@@ -4,12 +4,12 @@
 tensor name map, as vLLM uses it): plain tensors (norms, biases) as torch tensors, block-
 quantized ones as a `GGUFWeight`, which the layers' weight loaders keep as their rows of
 blocks instead of copying values (`record`). `finalize` then gives each layer its run-time
-form: a matmul weight of a type the CPU kernels take (Q4_0, Q4_1, Q8_0; Q5_0 and Q4_K
-rewritten exactly as Q8_0 and Q4_F blocks) re-laid out for `gguf_linear` (on CUDA, kept as
-rows of blocks for Triton's `gguf_matmul`); an embedding its rows of blocks, de-quantized per
-looked-up token (tied to the LM head: in its blocks); anything else (another type, a layer
-whose shards mix types the kernels cannot share, no kernels) de-quantized into the layer's
-weight, with one log line naming what.
+form: a matmul weight of a type the CPU kernels take (Q4_0, Q4_1, Q8_0; Q5_0, Q4_K, Q5_K and
+Q6_K rewritten exactly as Q8_0, Q4_F, Q8_F and Q8_S blocks) re-laid out for `gguf_linear`
+(on CUDA, kept as rows of blocks for Triton's `gguf_matmul`); an embedding its rows of
+blocks, de-quantized per looked-up token (tied to the LM head: in its blocks); anything else
+(another type, a layer whose shards mix types the kernels cannot share, no kernels)
+de-quantized into the layer's weight, with one log line naming what.
 """
 
 from __future__ import annotations
@@ -182,6 +182,8 @@ def record(param: torch.Tensor, loaded: GGUFWeight, offset: int = 0) -> None:
 REWRITES = {
     kernels.Q5_0: (kernels.Q8_0, kernels.q5_0_as_q8_0),
     kernels.Q4_K: (kernels.Q4_F, kernels.q4_k_as_q4_f),
+    kernels.Q5_K: (kernels.Q8_F, kernels.q5_k_as_q8_f),
+    kernels.Q6_K: (kernels.Q8_S, kernels.q6_k_as_q8_s),
 }
 
 
@@ -238,7 +240,8 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
     native, dense = Counter(), Counter()
     for key, modules in users.items():
         param = params[key]
-        # (Q5_0, most of Gemma 3's Q4_K_M file, runs exactly as Q8_0 blocks, Q4_K as Q4_F)
+        # (Q5_0, most of Gemma 3's Q4_K_M file, runs exactly as Q8_0 blocks, Q4_K as Q4_F,
+        # its Q6_K as Q8_S)
         whole = _whole(param, rewrite=kernels_in_use or triton)
         raw, qtype, perm = whole if whole is not None else (None, None, None)
         label = None
