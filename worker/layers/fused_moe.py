@@ -12,7 +12,8 @@ for a few tokens; otherwise the tokens sorted by expert into padded blocks, two 
 matmuls over all experts for a step of up to a few thousand assignments (an expert with
 more tokens than the blocks hold takes the rest in a block of its own), else a pair of
 matmuls per expert; the Triton path sorts tokens by expert and runs grouped GEMMs
-(kernels/fused_moe.py).
+(kernels/fused_moe.py). A GGUF model's experts on the CPU kernels stay in their blocks, one
+packed weight per expert and projection (`quantized_experts`).
 """
 
 from __future__ import annotations
@@ -48,11 +49,25 @@ class FusedMoE(CustomOp):
         )
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # A GGUF model's experts on the CPU kernels: per expert, its [gate; up] and its down
+        # projection in their blocks (kernels/cpu/gguf.py), the stacks above left empty.
+        self.gguf_experts: tuple[list, list] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: str, expert: int) -> None:
         """One expert's projection from the checkpoint: "gate" and "up" ([I, H], this rank's
-        rows) into w13, "down" ([H, I], this rank's columns) into w2."""
+        rows) into w13, "down" ([H, I], this rank's columns) into w2. A quantized one (GGUF's
+        blocks) is recorded as it is, for the quantization method to lay out once all are in
+        (worker/layers/quantization/gguf.py)."""
         i, start = self.inter, self.tp_rank * self.inter
+        if getattr(loaded, "quantized", False):
+            from tokenmill.worker.layers.quantization.gguf import record_expert
+
+            if shard == "down":
+                record_expert(param, expert, loaded.narrow(1, start, i), 0)
+            else:
+                offset = 0 if shard == "gate" else i
+                record_expert(param, expert, loaded.narrow(0, start, i), offset)
+            return
         if shard == "down":
             default_weight_loader(param.data[expert], loaded.narrow(1, start, i))
         elif shard in ("gate", "up"):
@@ -75,6 +90,8 @@ class FusedMoE(CustomOp):
 
     def forward_native(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(router_logits, x.dtype)
+        if self.gguf_experts is not None:
+            return tp_all_reduce(quantized_experts(x, *self.gguf_experts, weights, ids))
         return tp_all_reduce(moe_on_cpu(x, self.w13_weight, self.w2_weight, weights, ids))
 
     def forward_triton(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -252,6 +269,35 @@ def moe_on_cpu(
         for expert, span in spans:
             torch.mm(act[span], w2[expert].t(), out=y_own[span])
     return torch.zeros_like(x).index_add_(0, source_t, y)
+
+
+def quantized_experts(
+    x: torch.Tensor,
+    w13: list,
+    w2: list,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' outputs, [T, H], with each expert's projections quantized (objects with
+    `linear`, as kernels/cpu/gguf.py's packed weights): each expert multiplies the tokens
+    routed to it (at decode a few rows each: the kernels' few-row loop streams only the
+    experts in use), its activations scaled by their routing weights before the down
+    projection, as `moe_on_cpu` does."""
+    top_k, inter = ids.shape[1], w2[0].shape[1]
+    flat = ids.reshape(-1).cpu().numpy()
+    order = np.argsort(flat, kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(flat, minlength=len(w13)))))
+    order_t = torch.from_numpy(order).to(x.device)
+    tokens_t = order_t // top_k
+    scales = weights.reshape(-1).index_select(0, order_t)
+    y = torch.zeros_like(x)
+    for expert in np.flatnonzero(np.diff(bounds)).tolist():
+        span = slice(int(bounds[expert]), int(bounds[expert + 1]))
+        rows = tokens_t[span]
+        gate_up = w13[expert].linear(x.index_select(0, rows))
+        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]).mul_(scales[span, None])
+        y.index_add_(0, rows, w2[expert].linear(act))
+    return y
 
 
 def _every_expert(

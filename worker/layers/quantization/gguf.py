@@ -142,10 +142,29 @@ def iter_gguf_weights(path: Path, model: nn.Module) -> Iterator[tuple[str, objec
             name = name.replace(f".{part}.", f".{fused}.")
         return name in params or name == "lm_head.weight"
 
+    # A mixture-of-experts layer's projection comes as one [experts, N, K] tensor (gguf-py
+    # names it by the experts' merged name, "...experts.gate_proj"); the model loads it per
+    # expert ("...experts.{e}.gate_proj.weight") into its stacked parameters.
+    projections = getattr(model, "expert_projections", {})
+    renames = getattr(model, "checkpoint_renames", {})
+
+    def stacks_experts(merged: str) -> bool:
+        prefix, found, projection = merged.rpartition(".experts.")
+        if not found or projection not in projections:
+            return False
+        target = f"{prefix}.experts."
+        for theirs, ours in renames.items():
+            target = target.replace(theirs, ours)
+        stack = "w2_weight" if projections[projection] == "down" else "w13_weight"
+        return target + stack in params
+
     # llama.cpp's converter stores Gemma's (and Nemotron's) norms as 1 + w; the checkpoint
     # (and these models) hold w.
     plus_one_norms = arch in ("gemma", "gemma2", "gemma3", "nemotron")
     for tensor in reader.tensors:
+        if len(tensor.shape) == 3:
+            yield from _per_expert(tensor, candidates, stacks_experts)
+            continue
         name = _checkpoint_name(tensor.name, candidates, accepts)
         if name is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} matches no parameter of the model")
@@ -170,6 +189,27 @@ def iter_gguf_weights(path: Path, model: nn.Module) -> Iterator[tuple[str, objec
         yield name, GGUFWeight(data, qtype, logical[1])
 
 
+def _per_expert(tensor, candidates: dict[str, list[str]], stacks_experts
+                ) -> Iterator[tuple[str, object]]:  # fmt: skip
+    """A GGUF experts tensor [experts, N, K] as each expert's [N, K] under the checkpoint's
+    per-expert name."""
+    import gguf
+
+    base, _, suffix = tensor.name.rpartition(".")
+    merged = next((n for n in candidates.get(base, []) if stacks_experts(n)), None)
+    if merged is None:
+        raise ValueError(f"GGUF tensor {tensor.name!r} matches no experts of the model")
+    prefix, _, projection = merged.rpartition(".experts.")
+    experts, _, k = (int(d) for d in reversed(tensor.shape))
+    qtype = int(tensor.tensor_type)
+    for e in range(experts):
+        name = f"{prefix}.experts.{e}.{projection}.{suffix}"
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            yield name, torch.from_numpy(np.array(tensor.data[e], dtype=np.float32))
+        else:
+            yield name, GGUFWeight(tensor.data[e], qtype, k)
+
+
 def record(param: torch.Tensor, loaded: GGUFWeight, offset: int = 0) -> None:
     """A loader's shard of a quantized tensor: rows [offset, offset + rows) of `param`."""
     shards = getattr(param, "gguf_shards", None)
@@ -188,12 +228,12 @@ REWRITES = {
 
 
 def _whole(
-    param: torch.Tensor, rewrite: bool
+    recorded: list[tuple[int, GGUFWeight]], shape: tuple[int, int], rewrite: bool
 ) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
     """The recorded shards as one tensor of rows of blocks, its type and column order, where
-    they are of one type and order and cover the parameter's rows and columns; `rewrite`:
-    shards of the REWRITES types as the blocks they equal."""
-    shards = sorted(param.gguf_shards, key=lambda s: s[0])  # type: ignore[attr-defined]
+    they are of one type and order and cover a weight of `shape`'s rows and columns;
+    `rewrite`: shards of the REWRITES types as the blocks they equal."""
+    shards = sorted(recorded, key=lambda s: s[0])
 
     def target(shard: GGUFWeight) -> int:
         return REWRITES[shard.qtype][0] if rewrite and shard.qtype in REWRITES else shard.qtype
@@ -204,11 +244,11 @@ def _whole(
         return None
     rows, expected = 0, 0
     for offset, shard in shards:
-        if offset != expected or shard.k != param.shape[1]:
+        if offset != expected or shard.k != shape[1]:
             return None
         expected += shard.shape[0]
         rows = expected
-    if len(types) != 1 or rows != param.shape[0]:
+    if len(types) != 1 or rows != shape[0]:
         return None
     raws = [
         REWRITES[s.qtype][1](s.raw()) if target(s) != s.qtype else s.raw() for _, s in shards
@@ -242,12 +282,13 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
         param = params[key]
         # (Q5_0, most of Gemma 3's Q4_K_M file, runs exactly as Q8_0 blocks, Q4_K as Q4_F,
         # its Q6_K as Q8_S)
-        whole = _whole(param, rewrite=kernels_in_use or triton)
+        shape = (param.shape[0], param.shape[1])
+        recorded = param.gguf_shards  # type: ignore[attr-defined]
+        whole = _whole(recorded, shape, rewrite=kernels_in_use or triton)
         raw, qtype, perm = whole if whole is not None else (None, None, None)
         label = None
-        if qtype in kernels.NAMES and shards_types(param) != kernels.NAMES[qtype]:
-            label = f"{shards_types(param)} as {kernels.NAMES[qtype]}"
-        shape = (param.shape[0], param.shape[1])
+        if qtype in kernels.NAMES and shards_types(recorded) != kernels.NAMES[qtype]:
+            label = f"{shards_types(recorded)} as {kernels.NAMES[qtype]}"
         needs_dense = False
         packed = None
         # Matmuls first: a tied embedding then looks its rows up in its LM head's blocks
@@ -277,13 +318,14 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
         name = label or (kernels.NAMES.get(qtype) if qtype is not None else None)
         if needs_dense:
             param.data.zero_()  # (a TP rank's padding rows past the vocabulary)
-            for offset, shard in param.gguf_shards:  # type: ignore[attr-defined]
+            for offset, shard in recorded:
                 param.data[offset : offset + shard.shape[0]].copy_(shard.load())
-            dense[name or shards_types(param)] += 1
+            dense[name or shards_types(recorded)] += 1
         else:
             native[name] += 1
             param.data = torch.empty(0, dtype=param.dtype)  # the values live in the blocks
         del param.gguf_shards  # type: ignore[attr-defined]
+    _finalize_experts(model, kernels_in_use, native, dense)
     if native:
         logger.info("Quantized weights kept in their formats: %s", dict(native))
     if dense:
@@ -291,6 +333,60 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
                     "layout here): %s", next(iter(params.values())).dtype, dict(dense))  # fmt: skip
 
 
-def shards_types(param: torch.Tensor) -> str:
-    names = sorted({s.type_name for _, s in param.gguf_shards})  # type: ignore[attr-defined]
-    return "+".join(names)
+def shards_types(shards: list[tuple[int, GGUFWeight]]) -> str:
+    return "+".join(sorted({s.type_name for _, s in shards}))
+
+
+def record_expert(param: torch.Tensor, expert: int, loaded: GGUFWeight, offset: int) -> None:
+    """A mixture-of-experts layer's shard of one expert's quantized projection (its rows
+    [offset, offset + rows) of param[expert])."""
+    experts = getattr(param, "gguf_experts", None)
+    if experts is None:
+        experts = param.gguf_experts = {}  # type: ignore[attr-defined]
+    experts.setdefault(expert, []).append((offset, loaded))
+
+
+def _finalize_experts(model: nn.Module, kernels_in_use: bool, native: Counter,
+                      dense: Counter) -> None:  # fmt: skip
+    """Each mixture-of-experts layer's stacked projections: on the CPU kernels one packed
+    weight per expert and projection (`FusedMoE.gguf_experts`), where every expert's shards
+    make whole weights of a type the kernels take; otherwise de-quantized into the stacks
+    (CUDA too: the Triton MoE kernels read dense experts)."""
+    from tokenmill.worker.layers.fused_moe import FusedMoE
+
+    for module in model.modules():
+        stacks = [module.w13_weight, module.w2_weight] if isinstance(module, FusedMoE) else []
+        if not any(hasattr(param, "gguf_experts") for param in stacks):
+            continue
+        wholes, names = [], []
+        for param in stacks:
+            experts = getattr(param, "gguf_experts", {})
+            if sorted(experts) != list(range(param.shape[0])):
+                raise ValueError(f"a quantized expert stack of {param.shape[0]} experts got "
+                                 f"experts {sorted(experts)}")  # fmt: skip
+            shape = (param.shape[1], param.shape[2])
+            wholes.append([_whole(experts[e], shape, kernels_in_use) for e in sorted(experts)])
+            names.append(shards_types([s for shards in experts.values() for s in shards]))
+        packable = kernels_in_use and all(
+            w is not None and kernels.supported(w[1], (p.shape[1], p.shape[2]))
+            for param_wholes, p in zip(wholes, stacks) for w in param_wholes
+        )
+        for param, param_wholes, name in zip(stacks, wholes, names):
+            if packable:
+                qtypes = {kernels.NAMES[w[1]] for w in param_wholes}
+                label = "+".join(sorted(qtypes))
+                native[label if name == label else f"{name} as {label}"] += param.shape[0]
+            else:
+                for e, shards in param.gguf_experts.items():  # type: ignore[attr-defined]
+                    for offset, shard in shards:
+                        param.data[e, offset : offset + shard.shape[0]].copy_(shard.load())
+                dense[name] += param.shape[0]
+        if packable:
+            module.gguf_experts = tuple(
+                [kernels.repack(raw, qtype) for raw, qtype, _ in param_wholes]
+                for param_wholes in wholes
+            )
+            for param in stacks:
+                param.data = torch.empty(0, dtype=param.dtype)  # the values live in the blocks
+        for param in stacks:
+            del param.gguf_experts  # type: ignore[attr-defined]

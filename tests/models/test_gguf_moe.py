@@ -1,0 +1,135 @@
+"""A mixture-of-experts GGUF model (llama.cpp's [experts, N, K] `ffn_*_exps` tensors) run as
+the file holds it: a small random Qwen3-MoE written by the test as llama.cpp's converter lays
+it out (gguf-py's names and quantizers; every layer sparse, as llama.cpp's qwen3moe has it),
+against the same model with gguf-py's de-quantized values in safetensors (fp32, the torch
+experts)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same_greedy_tokens, teacher_forced_logprobs
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.worker.layers.fused_moe import FusedMoE
+
+Q = gguf.GGMLQuantizationType
+EXPERT = r"model.layers.{}.mlp.experts.{}.{}.weight"
+
+
+def make_qwen3_moe(folder: Path) -> Path:
+    """A random Qwen3-MoE checkpoint (fp32 safetensors): 2 layers of 8 experts, 2 per token."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], tie_word_embeddings=False, max_position_embeddings=1024,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).float().eval().save_pretrained(str(folder))
+    return folder
+
+
+def write_gguf_model(source: Path, folder: Path, types: dict[str, Q]) -> Path:
+    """`source`'s tensors as a GGUF file (matmuls in `types`' formats by projection, each
+    layer's experts stacked into one tensor per projection, norms and the router in fp32) in
+    `folder` beside its config.json; a second folder `folder`-reference holds the de-quantized
+    values as safetensors."""
+    config = json.loads((source / "config.json").read_text())
+    layers, experts = config["num_hidden_layers"], config["num_local_experts"]
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, layers)
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k).float().numpy() for k in f.keys()}
+    stacked: dict[str, np.ndarray] = {}
+    for layer in range(layers):
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            names = [EXPERT.format(layer, e, projection) for e in range(experts)]
+            if names[0] in tensors:
+                merged = f"model.layers.{layer}.mlp.experts.{projection}"
+                stacked[merged] = np.stack([tensors.pop(n) for n in names])
+    writer = gguf.GGUFWriter(str(folder / "model.gguf"), "qwen3moe")
+    writer.add_block_count(layers)
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    reference: dict[str, torch.Tensor] = {}
+    for name, values in [*tensors.items(), *stacked.items()]:
+        base = name.removesuffix(".weight")
+        gguf_name = name_map.get_name(base) + ".weight"
+        kind = next((t for part, t in types.items() if part in name), None)
+        if values.ndim == 1 or kind is None or name.endswith("mlp.gate.weight"):
+            writer.add_tensor(gguf_name, values.astype(np.float32))
+            dequantized = values
+        else:
+            blocks = gguf.quants.quantize(values, kind)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
+            dequantized = gguf.quants.dequantize(blocks, kind)
+        if values.ndim == 3:  # back to the checkpoint's per-expert tensors
+            layer, projection = base.split(".")[2], base.rpartition(".")[2]
+            for e in range(experts):
+                reference[EXPERT.format(layer, e, projection)] = torch.from_numpy(
+                    np.ascontiguousarray(dequantized[e], dtype=np.float32)
+                )
+        else:
+            reference[name] = torch.from_numpy(np.ascontiguousarray(dequantized, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shutil.copy(source / "config.json", folder / "config.json")
+    ref = folder.with_name(folder.name + "-reference")
+    ref.mkdir()
+    shutil.copy(source / "config.json", ref / "config.json")
+    save_file(reference, str(ref / "model.safetensors"))
+    return ref
+
+
+# Matmul formats by the checkpoint name's part; the embedding and LM head in Q8_0.
+NATIVE = {"gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q8_0, "self_attn": Q.Q4_0,
+          "embed_tokens": Q.Q8_0, "lm_head": Q.Q8_0}  # fmt: skip
+# gate and up in two formats: one expert's [gate; up] cannot be one weight of the kernels.
+MIXED = {**NATIVE, "gate_proj": Q.Q4_0}
+
+
+@pytest.mark.parametrize("types, native", [(NATIVE, True), (MIXED, False)], ids=["native", "mixed"])
+def test_gguf_experts_equal_the_dequantized_model(tmp_path, monkeypatch, types, native) -> None:
+    monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")
+    folder = tmp_path / "qwen3-moe-gguf"
+    folder.mkdir()
+    reference = write_gguf_model(make_qwen3_moe(tmp_path / "qwen3-moe"), folder, types)
+    prompts = [[5, 9, 200, 31], list(range(40, 110)), [7] * 3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    kwargs = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)
+    outputs = {}
+    for key, path in (("gguf", folder), ("reference", reference)):
+        llm = LLM(str(path), **kwargs)
+        try:
+            if key == "gguf":
+                assert llm.llm_engine.config.model_config.quantization == "gguf"
+                model = llm.llm_engine.client.engine_core.executor.worker.model_runner.model
+                moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+                assert moe and all((m.gguf_experts is not None) == native for m in moe)
+            requests = [{"prompt_token_ids": p} for p in prompts]
+            outputs[key] = llm.generate(requests, params, use_tqdm=False)
+            # Scored on the same tokens (the GGUF engine's), however the two would part.
+            sequences = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outputs[key])]
+            if key == "gguf":
+                scored_on = sequences
+            outputs[key + "-scores"] = teacher_forced_logprobs(llm, scored_on)
+        finally:
+            llm.shutdown()
+    assert_same_greedy_tokens(outputs["gguf"], outputs["reference"])
+    # The same weights, multiplied in another order (the kernels sum x * q per block, then
+    # scale): fp32 accumulation differences only.
+    diff = (outputs["gguf-scores"] - outputs["reference-scores"]).abs()
+    assert float(diff.max()) < 1e-3, float(diff.max())
