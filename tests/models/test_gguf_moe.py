@@ -2,7 +2,7 @@
 the file holds it: a small random Qwen3-MoE written by the test as llama.cpp's converter lays
 it out (gguf-py's names and quantizers; every layer sparse, as llama.cpp's qwen3moe has it),
 against the same model with gguf-py's de-quantized values in safetensors (fp32, the torch
-experts)."""
+experts); also at TP=2, each rank holding its share of every expert's blocks."""
 
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ EXPERT = r"model.layers.{}.mlp.experts.{}.{}.weight"
 
 
 def make_qwen3_moe(folder: Path) -> Path:
-    """A random Qwen3-MoE checkpoint (fp32 safetensors): 2 layers of 8 experts, 2 per token."""
+    """A random Qwen3-MoE checkpoint (fp32 safetensors): 2 layers of 8 experts, 2 per token
+    (intermediate size 64: at TP=2 each rank's down projection is one block of 32 wide)."""
     import transformers
 
     config = transformers.Qwen3MoeConfig(
         vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+        moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[], tie_word_embeddings=False, max_position_embeddings=1024,
         initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
@@ -101,8 +102,12 @@ NATIVE = {"gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q8_0, "self_att
 MIXED = {**NATIVE, "gate_proj": Q.Q4_0}
 
 
-@pytest.mark.parametrize("types, native", [(NATIVE, True), (MIXED, False)], ids=["native", "mixed"])
-def test_gguf_experts_equal_the_dequantized_model(tmp_path, monkeypatch, types, native) -> None:
+@pytest.mark.parametrize(
+    "types, native, tp", [(NATIVE, True, 1), (MIXED, False, 1), (NATIVE, True, 2)],
+    ids=["native", "mixed", "native-tp2"],
+)
+def test_gguf_experts_equal_the_dequantized_model(tmp_path, monkeypatch, types, native,
+                                                  tp) -> None:  # fmt: skip
     monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")
     folder = tmp_path / "qwen3-moe-gguf"
     folder.mkdir()
@@ -112,9 +117,9 @@ def test_gguf_experts_equal_the_dequantized_model(tmp_path, monkeypatch, types, 
     kwargs = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)
     outputs = {}
     for key, path in (("gguf", folder), ("reference", reference)):
-        llm = LLM(str(path), **kwargs)
+        llm = LLM(str(path), tensor_parallel_size=tp if key == "gguf" else 1, **kwargs)
         try:
-            if key == "gguf":
+            if key == "gguf" and tp == 1:
                 assert llm.llm_engine.config.model_config.quantization == "gguf"
                 model = llm.llm_engine.client.engine_core.executor.worker.model_runner.model
                 moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
