@@ -31,6 +31,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -353,9 +354,11 @@ TOKENMILL_BF16_TARGET void dequantize_columns_avx512(const Weight& w, int64_t n0
   const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int64_t gl = 0; gl < kColumnBlock / kGroup; ++gl) {
-    const int64_t g = n0 / kGroup + gl;
-    for (int64_t b = 0; b < w.blocks; ++b) {
+  // Block by block, the 4 groups of a block side by side: each k's row of the output (64
+  // columns) is written whole at once, while it is in L1.
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    for (int64_t gl = 0; gl < kColumnBlock / kGroup; ++gl) {
+      const int64_t g = n0 / kGroup + gl;
       const uint8_t* gb = w.group_block(g, b);
       const __m512 dv = load_scales(w, w.d, g, b);
       const __m512 d_lo = _mm512_permutexvar_ps(lo_cols, dv), d_hi = _mm512_permutexvar_ps(hi_cols, dv);
@@ -441,7 +444,9 @@ void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const floa
   const bool vnni = std::is_same<T, at::BFloat16>::value;
   const int64_t k = w.k, row_blocks = (m + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, w.n / kColumnBlock, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(k * kColumnBlock);
+    // (64-byte aligned: each k's row of 64 columns is whole cache lines)
+    std::vector<T> storage(k * kColumnBlock + 64 / sizeof(T));
+    T* buf = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
     std::vector<float> scratch(kRowBlock * kColumnBlock);
     // Rows of a last block that is not a multiple of 16, padded with zeros (as linear does:
     // a microkernel per row count otherwise).
@@ -449,9 +454,9 @@ void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const floa
     for (int64_t cb = begin; cb < end; ++cb) {
       const int64_t n0 = cb * kColumnBlock;
       if (cpu_isa() >= 2) {
-        dequantize_columns_avx512(w, n0, vnni, buf.data());
+        dequantize_columns_avx512(w, n0, vnni, buf);
       } else {
-        dequantize_columns(w, n0, vnni, buf.data());
+        dequantize_columns(w, n0, vnni, buf);
       }
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
         const int64_t m0 = rb * kRowBlock, rows = std::min(kRowBlock, m - m0);
@@ -464,7 +469,7 @@ void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const floa
           a = tail.data();
         }
         at::native::cpublas::brgemm(rows_run, kColumnBlock, k, k, kColumnBlock, kColumnBlock,
-                                    false, a, buf.data(), scratch.data(), vnni);
+                                    false, a, buf, scratch.data(), vnni);
         store_rows(scratch.data(), rows, bias != nullptr ? bias + n0 : nullptr, y + m0 * w.n + n0,
                    w.n);
       }
