@@ -1,12 +1,14 @@
 """A mixture-of-experts GGUF model (llama.cpp's [experts, N, K] `ffn_*_exps` tensors) run as
-the file holds it: a small random Qwen3-MoE written by the test as llama.cpp's converter lays
-it out (gguf-py's names and quantizers; every layer sparse, as llama.cpp's qwen3moe has it),
-against the same model with gguf-py's de-quantized values in safetensors (fp32, the torch
-experts); also at TP=2, each rank holding its share of every expert's blocks."""
+the file holds it: a small random Qwen3-MoE (every layer sparse, as llama.cpp's qwen3moe has
+it) and Mixtral (llama.cpp's "llama" architecture, q/k rows interleaved for its rope) written
+by the test as llama.cpp's converter lays them out (gguf-py's names and quantizers), against
+the same model with gguf-py's de-quantized values in safetensors (fp32, the torch experts);
+also at TP=2, each rank holding its share of every expert's blocks."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +24,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.worker.layers.fused_moe import FusedMoE
 
 Q = gguf.GGMLQuantizationType
-EXPERT = r"model.layers.{}.mlp.experts.{}.{}.weight"
+# A checkpoint's per-expert tensor: layer, the experts' container, expert, projection.
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
 
 
 def make_qwen3_moe(folder: Path) -> Path:
@@ -42,43 +45,57 @@ def make_qwen3_moe(folder: Path) -> Path:
     return folder
 
 
-def write_gguf_model(source: Path, folder: Path, types: dict[str, Q]) -> Path:
-    """`source`'s tensors as a GGUF file (matmuls in `types`' formats by projection, each
-    layer's experts stacked into one tensor per projection, norms and the router in fp32) in
-    `folder` beside its config.json; a second folder `folder`-reference holds the de-quantized
-    values as safetensors."""
+def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """q/k rows as llama.cpp's converter writes them for a "llama" file: each head's two
+    rotary halves interleaved."""
+    return rows.reshape(heads, 2, -1, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_gguf_model(source: Path, folder: Path, arch: str, types: dict[str, Q]) -> Path:
+    """`source`'s tensors as a GGUF file of architecture `arch` (matmuls in `types`' formats
+    by the name's part, each layer's experts stacked into one tensor per projection, norms
+    and the router in fp32) in `folder` beside its config.json; a second folder
+    `folder`-reference holds the de-quantized values as safetensors."""
     config = json.loads((source / "config.json").read_text())
-    layers, experts = config["num_hidden_layers"], config["num_local_experts"]
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, layers)
+    layers = config["num_hidden_layers"]
+    model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    name_map = gguf.get_tensor_name_map(model_arch, layers)
     with safe_open(str(source / "model.safetensors"), "pt") as f:
         tensors = {k: f.get_tensor(k).float().numpy() for k in f.keys()}
-    stacked: dict[str, np.ndarray] = {}
-    for layer in range(layers):
-        for projection in ("gate_proj", "up_proj", "down_proj"):
-            names = [EXPERT.format(layer, e, projection) for e in range(experts)]
-            if names[0] in tensors:
-                merged = f"model.layers.{layer}.mlp.experts.{projection}"
-                stacked[merged] = np.stack([tensors.pop(n) for n in names])
-    writer = gguf.GGUFWriter(str(folder / "model.gguf"), "qwen3moe")
+    per_expert: dict[str, dict[int, np.ndarray]] = {}
+    for name in [n for n in tensors if EXPERT.fullmatch(n)]:
+        layer, container, expert, projection = EXPERT.fullmatch(name).groups()
+        merged = f"model.layers.{layer}.{container}.experts.{projection}"
+        per_expert.setdefault(merged, {})[int(expert)] = tensors.pop(name)
+    stacked = {k: np.stack([v[e] for e in sorted(v)]) for k, v in per_expert.items()}
+    writer = gguf.GGUFWriter(str(folder / "model.gguf"), arch)
     writer.add_block_count(layers)
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     reference: dict[str, torch.Tensor] = {}
     for name, values in [*tensors.items(), *stacked.items()]:
         base = name.removesuffix(".weight")
         gguf_name = name_map.get_name(base) + ".weight"
         kind = next((t for part, t in types.items() if part in name), None)
-        if values.ndim == 1 or kind is None or name.endswith("mlp.gate.weight"):
+        permuted = arch == "llama" and base.rpartition(".")[2] in heads
+        if permuted:
+            values = llama_cpp_permute(values, heads[base.rpartition(".")[2]])
+        if values.ndim == 1 or kind is None or name.endswith(".gate.weight"):
             writer.add_tensor(gguf_name, values.astype(np.float32))
             dequantized = values
         else:
             blocks = gguf.quants.quantize(values, kind)
             writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
             dequantized = gguf.quants.dequantize(blocks, kind)
+        if permuted:  # (rows quantize independently: un-permuting commutes with it)
+            heads_of = heads[base.rpartition(".")[2]]
+            dequantized = dequantized.reshape(heads_of, -1, 2, dequantized.shape[1])
+            dequantized = dequantized.swapaxes(1, 2).reshape(values.shape)
         if values.ndim == 3:  # back to the checkpoint's per-expert tensors
-            layer, projection = base.split(".")[2], base.rpartition(".")[2]
-            for e in range(experts):
-                reference[EXPERT.format(layer, e, projection)] = torch.from_numpy(
+            prefix, _, projection = base.rpartition(".experts.")
+            for e in range(values.shape[0]):
+                reference[f"{prefix}.experts.{e}.{projection}.weight"] = torch.from_numpy(
                     np.ascontiguousarray(dequantized[e], dtype=np.float32)
                 )
         else:
@@ -100,18 +117,26 @@ NATIVE = {"gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q8_0, "self_att
           "embed_tokens": Q.Q8_0, "lm_head": Q.Q8_0}  # fmt: skip
 # gate and up in two formats: one expert's [gate; up] cannot be one weight of the kernels.
 MIXED = {**NATIVE, "gate_proj": Q.Q4_0}
+# Mixtral's experts: w1 (gate), w3 (up), w2 (down).
+MIXTRAL = {"experts.w1": Q.Q4_1, "experts.w3": Q.Q4_1, "experts.w2": Q.Q8_0, "self_attn": Q.Q4_0,
+           "embed_tokens": Q.Q8_0, "lm_head": Q.Q8_0}  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "types, native, tp", [(NATIVE, True, 1), (MIXED, False, 1), (NATIVE, True, 2)],
-    ids=["native", "mixed", "native-tp2"],
-)
-def test_gguf_experts_equal_the_dequantized_model(tmp_path, monkeypatch, types, native,
-                                                  tp) -> None:  # fmt: skip
+    "model, types, native, tp",
+    [("qwen3moe", NATIVE, True, 1), ("qwen3moe", MIXED, False, 1), ("qwen3moe", NATIVE, True, 2),
+     ("mixtral", MIXTRAL, True, 1)],
+    ids=["native", "mixed", "native-tp2", "mixtral"],
+)  # fmt: skip
+def test_gguf_experts_equal_the_dequantized_model(tiny_model, tmp_path, monkeypatch, model,
+                                                  types, native, tp) -> None:  # fmt: skip
     monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")
-    folder = tmp_path / "qwen3-moe-gguf"
+    folder = tmp_path / f"{model}-gguf"
     folder.mkdir()
-    reference = write_gguf_model(make_qwen3_moe(tmp_path / "qwen3-moe"), folder, types)
+    if model == "mixtral":
+        reference = write_gguf_model(tiny_model("mixtral"), folder, "llama", types)
+    else:
+        reference = write_gguf_model(make_qwen3_moe(tmp_path / model), folder, model, types)
     prompts = [[5, 9, 200, 31], list(range(40, 110)), [7] * 3]
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     kwargs = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)
