@@ -330,7 +330,7 @@ def finalize(model: nn.Module, kernels_in_use: bool, triton: bool = False) -> No
         logger.info("Quantized weights kept in their formats: %s", dict(native))
     if dense:
         logger.info("Quantized weights de-quantized to %s (no kernel for their type or "
-                    "layout here): %s", next(iter(params.values())).dtype, dict(dense))  # fmt: skip
+                    "layout here): %s", next(model.parameters()).dtype, dict(dense))  # fmt: skip
 
 
 def shards_types(shards: list[tuple[int, GGUFWeight]]) -> str:
