@@ -38,6 +38,7 @@ NAMES = {
 }  # fmt: skip
 EIGHT_BIT = (Q8_0, Q8_F, Q8_S)  # a byte per weight; the others pack two in a byte
 FP32_SCALES = (Q4_F, Q8_F, Q8_S)
+ADDS_MINIMUM = (Q4_1, Q4_F, Q8_F)  # w = d * q + m
 GROUP = 16  # output columns per group of the kernel's layout
 # Columns the kernel's many-row path de-quantizes at a time: N must be a multiple.
 COLUMN_BLOCK = 64
@@ -103,6 +104,21 @@ def q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
     return out.view(n, -1)
 
 
+def _k_header(raw: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, ...]:
+    """Q4_K's and Q5_K's super-blocks [N, S, block_bytes] and their shared head: d and dmin
+    [N, S, 1] (fp16 widened) and the 8 sub-blocks' 6-bit scales and minimums [N, S, 8]
+    (llama.cpp's get_scale_min_k4)."""
+    blocks = raw.contiguous().view(raw.shape[0], -1, block_bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    s = blocks[..., 4:16].to(torch.int32)
+    low_sc, low_m = s[..., 0:4] & 63, s[..., 4:8] & 63
+    high_sc = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    high_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    sc = torch.cat((low_sc, high_sc), dim=-1).float()
+    return blocks, d, dmin, sc, torch.cat((low_m, high_m), dim=-1).float()
+
+
 Q4_K = 12  # GGML's id: 256 weights: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and
 Q4_K_BYTES = 144  # minimums, 128 bytes of nibbles; w = d * sc * q - dmin * m per 32
 
@@ -112,11 +128,8 @@ def q4_k_as_q4_f(raw: torch.Tensor) -> torch.Tensor:
     (GGUF's arithmetic: the products d * sc and dmin * m exact in fp32, w = (d * sc) * q -
     dmin * m, one rounding)."""
     n = raw.shape[0]
-    blocks = raw.contiguous().view(n, -1, Q4_K_BYTES)
+    blocks, d, dmin, sc, mn = _k_header(raw, Q4_K_BYTES)
     supers = blocks.shape[1]
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    sc, mn = _k_scales(blocks[..., 4:16])  # [N, S, 8]
     # Sub-blocks 2i and 2i + 1: the low and high nibbles of bytes [32 i, 32 i + 32).
     qs = blocks[..., 16:].view(n, supers, 4, 32)
     q = torch.stack((qs & 0xF, qs >> 4), dim=3).view(n, supers, 8, 32)  # [N, S, 8, 32]
@@ -125,16 +138,6 @@ def q4_k_as_q4_f(raw: torch.Tensor) -> torch.Tensor:
     out[..., 4:8] = (-(dmin * mn)).unsqueeze(-1).contiguous().view(torch.uint8)
     out[..., 8:] = q[..., :16] | (q[..., 16:] << 4)
     return out.view(n, -1)
-
-
-def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8 sub-blocks' 6-bit scales and minimums [N, S, 8] of Q4_K's and Q5_K's 12 bytes
-    [N, S, 12] (llama.cpp's get_scale_min_k4)."""
-    s = s.to(torch.int32)
-    low_sc, low_m = s[..., 0:4] & 63, s[..., 4:8] & 63
-    high_sc = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
-    high_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    return torch.cat((low_sc, high_sc), dim=-1).float(), torch.cat((low_m, high_m), dim=-1).float()
 
 
 def _eight_bit_blocks(first: torch.Tensor, second: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -155,11 +158,8 @@ def q5_k_as_q8_f(raw: torch.Tensor) -> torch.Tensor:
     """Q5_K rows [N, K / 256 * 176] as Q8_F rows [N, K / 32 * 40], the same weights exactly
     (GGUF's arithmetic: (d * sc) * q - dmin * m with both products exact in fp32)."""
     n = raw.shape[0]
-    blocks = raw.contiguous().view(n, -1, Q5_K_BYTES)
+    blocks, d, dmin, sc, mn = _k_header(raw, Q5_K_BYTES)
     supers = blocks.shape[1]
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    sc, mn = _k_scales(blocks[..., 4:16])  # [N, S, 8]
     high = blocks[..., 16:48].to(torch.int32)  # [N, S, 32]: bit i of byte l: sub-block i's
     low = blocks[..., 48:].view(n, supers, 4, 32).to(torch.int32)
     nibbles = torch.stack((low & 0xF, low >> 4), dim=3).view(n, supers, 8, 32)
@@ -208,7 +208,7 @@ def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     if qtype == Q4_Z:
         return scale * (q.float() - m.float().repeat_interleave(BLOCK, dim=1))
     w = scale * q.float()
-    if qtype in (Q4_1, Q4_F, Q8_F):
+    if qtype in ADDS_MINIMUM:
         w = w + m.float().repeat_interleave(BLOCK, dim=1)
     return w
 
@@ -265,7 +265,7 @@ class PackedGGUF:
         if self.qtype == Q4_Z:
             return scale * (q - per_block(self.m))
         w = scale * q
-        return w + per_block(self.m) if self.qtype in (Q4_1, Q4_F, Q8_F) else w
+        return w + per_block(self.m) if self.qtype in ADDS_MINIMUM else w
 
 
 def repack(raw: torch.Tensor, qtype: int, perm: torch.Tensor | None = None) -> PackedGGUF:

@@ -19,8 +19,8 @@
 // products with fp32 sums; a block's 16 column sums are then scaled by d (and Q4_1 adds m
 // times the block's sum of x): the 16 columns are the 16 lanes, so no horizontal sums. The
 // weight streams once at ~0.6 (Q4) or ~1.1 (Q8) bytes a weight instead of bf16's 2.
-// Up to 8 rows on a CPU without AMX the same loop runs in passes of 8 rows over a group of
-// columns whose weights stay in L1 (a block turned into bf16 integers once per pass).
+// Up to 8 rows on a CPU without AMX the same loop runs too, a group of 16 columns per task
+// (each block turned into bf16 integers once for all the rows).
 // Many rows (prefills), or a CPU without AVX512-BF16: a block of 64 columns is de-quantized
 // into the layout `linear`'s microkernel reads (the weights' values rounded to x's dtype, as
 // de-quantizing the checkpoint would give them) and multiplied there, for every row.
@@ -50,10 +50,9 @@ constexpr int64_t kBlockK = 32;                   // weights per scale
 constexpr int64_t kColumnBlock = 64;              // columns per task on the many-row path
 constexpr int64_t kRowBlock = 256;                // rows per microkernel call there
 constexpr int64_t kFewRows = 4;                   // rows up to which the dot-product loop runs
-constexpr int64_t kChunkRows = 8;                 // rows per pass of that loop beyond kFewRows
-// ... and up to which it runs in passes of kChunkRows without AMX (measured on AVX512-BF16:
-// 5-8 rows 1.3-1.8x faster than de-quantizing for the microkernel, 16 and more slower; with
-// AMX the bf16 tiles multiply a de-quantized block faster from 5 rows on).
+// ... and up to which it runs without AMX (measured on AVX512-BF16: 5-8 rows 1.3-1.8x faster
+// than de-quantizing for the microkernel, 16 and more slower; with AMX the bf16 tiles
+// multiply a de-quantized block faster from 5 rows on).
 constexpr int64_t kDotRows = 8;
 constexpr int64_t kPrefetchBlocks = 8;            // how far ahead that loop prefetches
 
@@ -260,9 +259,10 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
 template <int M, typename T>
 void gemv_rows(const Weight& w, const T* x, const float* xsum, const float* bias, T* y) {
   const int64_t groups = w.n / kGroup;
-  // Groups taken 4 (one row, at least 64 groups) or 2 at a time where they divide evenly:
-  // enough tasks for the threads to share them evenly.
-  constexpr int kWide = M == 1 ? 4 : 2;
+  // Groups taken 4 (one row, at least 64 groups) or 2 (up to 4 rows) at a time where they
+  // divide evenly: enough tasks for the threads to share them evenly. From 5 rows one group
+  // at a time (the rows' sums take the registers).
+  constexpr int kWide = M == 1 ? 4 : M <= 4 ? 2 : 1;
   const int64_t gn = groups % kWide == 0 && groups >= 16 * kWide ? kWide : 1;
   at::parallel_for(0, groups / gn, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -275,33 +275,6 @@ void gemv_rows(const Weight& w, const T* x, const float* xsum, const float* bias
   });
 }
 
-// More rows, in passes of up to kChunkRows over one group at a time: the group's weights
-// (K / 32 blocks of 256 or 512 bytes) stay in L1 between passes, so each block is read from
-// memory once and turned into bf16 integers once per pass rather than once per row.
-template <typename T>
-void gemv_chunks(const Weight& w, const T* x, int64_t m, const float* xsum, const float* bias,
-                 T* y) {
-  at::parallel_for(0, w.n / kGroup, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      for (int64_t r0 = 0; r0 < m; r0 += kChunkRows) {
-        const T* xr = x + r0 * w.k;
-        const float* sr = xsum != nullptr ? xsum + r0 * w.blocks : nullptr;
-        T* yr = y + r0 * w.n;
-        switch (std::min(kChunkRows, m - r0)) {
-          case 1: gemv_groups<1, 1>(w, g, xr, sr, bias, yr, w.n); break;
-          case 2: gemv_groups<2, 1>(w, g, xr, sr, bias, yr, w.n); break;
-          case 3: gemv_groups<3, 1>(w, g, xr, sr, bias, yr, w.n); break;
-          case 4: gemv_groups<4, 1>(w, g, xr, sr, bias, yr, w.n); break;
-          case 5: gemv_groups<5, 1>(w, g, xr, sr, bias, yr, w.n); break;
-          case 6: gemv_groups<6, 1>(w, g, xr, sr, bias, yr, w.n); break;
-          case 7: gemv_groups<7, 1>(w, g, xr, sr, bias, yr, w.n); break;
-          default: gemv_groups<8, 1>(w, g, xr, sr, bias, yr, w.n);
-        }
-      }
-    }
-  });
-}
-
 template <typename T>
 void gemv(const Weight& w, const T* x, int64_t m, const float* xsum, const float* bias, T* y) {
   switch (m) {
@@ -309,7 +282,10 @@ void gemv(const Weight& w, const T* x, int64_t m, const float* xsum, const float
     case 2: gemv_rows<2>(w, x, xsum, bias, y); break;
     case 3: gemv_rows<3>(w, x, xsum, bias, y); break;
     case 4: gemv_rows<4>(w, x, xsum, bias, y); break;
-    default: gemv_chunks(w, x, m, xsum, bias, y);
+    case 5: gemv_rows<5>(w, x, xsum, bias, y); break;
+    case 6: gemv_rows<6>(w, x, xsum, bias, y); break;
+    case 7: gemv_rows<7>(w, x, xsum, bias, y); break;
+    default: gemv_rows<8>(w, x, xsum, bias, y);
   }
 }
 
@@ -446,7 +422,8 @@ void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const floa
   at::parallel_for(0, w.n / kColumnBlock, 1, [&](int64_t begin, int64_t end) {
     // (64-byte aligned: each k's row of 64 columns is whole cache lines)
     std::vector<T> storage(k * kColumnBlock + 64 / sizeof(T));
-    T* buf = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    T* buf = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) &
+                                  ~uintptr_t{63});
     std::vector<float> scratch(kRowBlock * kColumnBlock);
     // Rows of a last block that is not a multiple of 16, padded with zeros (as linear does:
     // a microkernel per row count otherwise).
