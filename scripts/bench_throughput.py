@@ -104,6 +104,7 @@ def start_tokenmill(
     dtype: str,
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
+    gpu_share: float = 0.9,
 ):
     start = time.perf_counter()
     from tokenmill import LLM, SamplingParams
@@ -120,6 +121,7 @@ def start_tokenmill(
         device=args.device,
         quantization=None if quantization == "none" else quantization,
         kv_cache_dtype=kv_cache_dtype,
+        gpu_memory_utilization=gpu_share,
         skip_tokenizer_init=True,  # token-id prompts; nothing to detokenize
     )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -372,8 +374,13 @@ def main() -> None:
     # Engines start one at a time, so that each start-up is measured alone.
     startup: dict[str, float] = {}
     engines = []
+    # The engines are alive together: on a GPU each takes an equal share of its memory (and
+    # room is left for HF).
+    gpu_share = 0.8 / len(engines_spec)
     for (mode, tp, a, d, q, c), name in zip(engines_spec, names):
-        llm, startup[name] = start_tokenmill(args, workload, mode == "mp", tp, a, d, q, c)
+        llm, startup[name] = start_tokenmill(
+            args, workload, mode == "mp", tp, a, d, q, c, gpu_share
+        )
         engines.append(llm)
     peers = start_peers(args, workload, model_path, dtype, device, threads)
     for peer, (engine_proc, _) in peers.items():

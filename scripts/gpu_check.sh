@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared pass on a CUDA machine, needing only torch, triton, transformers, xxhash and
-# psutil installed, plus the pyzmq/msgspec wheels carried in .whl/. Its steps, by name:
+# psutil installed, plus the pyzmq/msgspec/gguf wheels carried in .whl/. Its steps, by name:
 #   tests: the Triton kernels against their torch references, compiled on the GPU; greedy
 #      parity of tokenmill on CUDA (Triton backend, CUDA graphs) with HF transformers on
 #      random-weight models (every family: Gemma's windows and caps, MoE, Phi-3 too; TP=2
@@ -23,7 +23,7 @@
 #      bench_spec_decode.py on the Qwen3-0.6B shape with dummy weights (W1-cpu; the draft is
 #      the target's shape with the same dummy weights, so nearly every proposal is accepted).
 # `scripts/gpu_check.sh` runs them all, in that order; `scripts/gpu_check.sh tests moe` runs
-# those named. The steps' time limits (300, 240, 150, 360, 300, 400 s) add up to more than
+# those named. The steps' time limits (300, 240, 150, 360, 390, 400 s) add up to more than
 # one 10-minute device call: `tests moe` fit one, `steps w1` another, `quant` and `spec` one
 # each (a 15-minute lease, its start included, has room for about two).
 # Logs go to $OUT.
@@ -36,7 +36,7 @@ wants() { [[ " $STEPS " == *" $1 "* ]]; }
 for step in $STEPS; do
   [[ " $ALL_STEPS " == *" $step "* ]] || { echo "unknown step: $step ($ALL_STEPS)"; exit 2; }
 done
-if ! python3 -c "import zmq, msgspec" 2>/dev/null; then
+if ! python3 -c "import zmq, msgspec, gguf" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -99,7 +99,7 @@ if wants quant; then
     2>&1 | tee "$OUT/pytest_quant.log" | tail -15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "== W1, Qwen3-0.6B shape, dummy weights, bf16: unquantized, int8 W8A8, fp8 KV cache"
-  timeout 150 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
+  timeout 240 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
     --load-format dummy --workload W1 --quantization none int8 --kv-cache-dtype auto fp8 \
     2>&1 | grep -v Warning | tee "$OUT/bench_quant_w1.log" | tail -12
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

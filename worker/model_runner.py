@@ -639,8 +639,16 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> Attent
     name = config.device_config.attention_backend
     dtype = getattr(torch, config.model_config.dtype)
     if name == "TRITON_ATTN":
-        if platform.triton_interpreted:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+        if platform.triton_interpreted and os.environ.get("TRITON_INTERPRET") != "1":
+            # The choice is the process's: made here it would also send the CUDA kernels of a
+            # process that has a GPU (and its child processes) to the interpreter.
+            if torch.cuda.is_available():
+                raise ValueError(
+                    f"attention_backend='TRITON_ATTN' with device={device.type!r} runs in "
+                    "Triton's interpreter, which a process with a GPU must choose before it "
+                    "starts (TRITON_INTERPRET=1); or use device='cuda'"
+                )
+            os.environ["TRITON_INTERPRET"] = "1"
         backend = backend_class(name)
         model, tp = config.model_config, config.parallel_config.tensor_parallel_size
         kv_heads = max(1, model.num_kv_heads // tp)  # replicated when fewer than the ranks

@@ -229,6 +229,16 @@ class CudaPlatform(Platform):
 
     def init_process(self, device: torch.device, local_world_size: int) -> None:
         torch.cuda.set_device(device)
+        # What the device holds before this engine loads anything (other processes, other
+        # engines in this process): gpu_memory_utilization is this engine's share, as in
+        # vLLM, so the budget counts only what grows from here.
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        self._baseline = {
+            **getattr(self, "_baseline", {}),
+            device: (free, torch.cuda.memory_allocated(device),
+                     total - free - torch.cuda.memory_reserved(device)),
+        }  # fmt: skip
 
     def thread_setup(self, device: torch.device) -> Callable[[], None] | None:
         return lambda: torch.cuda.set_device(device)
@@ -244,24 +254,38 @@ class CudaPlatform(Platform):
         profile: Callable[[], None], engines_on_host: int = 1,
     ) -> int:  # fmt: skip
         """Per GPU, as in vLLM: `kv_cache_memory_bytes`, else profile the largest step and
-        take `total * gpu_memory_utilization` minus the peak torch allocation (weights +
-        activations) and minus memory held outside torch (the CUDA context, other
-        processes)."""
+        take `total * gpu_memory_utilization` (this engine's share of the device) minus what
+        the engine's torch allocations peaked at (weights + activations) and minus what grew
+        outside torch (cuBLAS, NCCL) since the process began; memory other processes or
+        engines held then is not counted, but the share must have been free."""
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
+        free_at_start, allocated_at_start, outside_at_start = self._baseline[device]
+        total = torch.cuda.mem_get_info(device)[1]
+        requested = int(total * cache.gpu_memory_utilization)
+        if free_at_start < requested:
+            raise ValueError(
+                f"Free memory on device {device} ({free_at_start / 2**30:.2f}/"
+                f"{total / 2**30:.2f} GiB) at start-up is less than gpu_memory_utilization="
+                f"{cache.gpu_memory_utilization} asks for ({requested / 2**30:.2f} GiB): lower "
+                "gpu_memory_utilization or free the memory other processes hold."
+            )
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         profile()
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device) - allocated_at_start
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        outside_torch = (total - free) - torch.cuda.memory_reserved(device)
-        available = int(total * cache.gpu_memory_utilization) - peak - outside_torch
+        free = torch.cuda.mem_get_info(device)[0]
+        outside_torch = max(
+            0, (total - free) - torch.cuda.memory_reserved(device) - outside_at_start
+        )
+        available = requested - peak - outside_torch
         logger.info(
-            "GPU memory: total %.2f GiB, peak torch use %.2f GiB, outside torch %.2f GiB, "
-            "%.2f GiB left for the KV cache",
+            "GPU memory: total %.2f GiB, this engine's share %.2f GiB, peak torch use %.2f GiB, "
+            "grown outside torch %.2f GiB, %.2f GiB left for the KV cache",
             total / 2**30,
+            requested / 2**30,
             peak / 2**30,
             outside_torch / 2**30,
             available / 2**30,

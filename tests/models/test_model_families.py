@@ -51,12 +51,12 @@ def test_one_forward_logits_match_hf(tiny_model, monkeypatch, name: str) -> None
             torch.inference_mode(),
             set_forward_context(runner.attn_backend.build_metadata(inputs)),
         ):
-            positions = torch.arange(n)
+            positions = torch.arange(n, device=runner.device)
             if runner.long_rope is not None:  # a prompt past LongRoPE's original context
                 threshold, offset = runner.long_rope
                 positions = positions + offset * (n > threshold)
-            hidden = runner.model(torch.tensor(prompt), positions)
-            ours = runner.model.compute_logits(hidden)
+            hidden = runner.model(torch.tensor(prompt, device=runner.device), positions)
+            ours = runner.model.compute_logits(hidden).cpu()
     finally:
         llm.shutdown()
     with torch.inference_mode():

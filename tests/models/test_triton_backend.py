@@ -151,16 +151,17 @@ def test_profile_run_covers_prefill_and_split_decodes(tiny_model, backend: str) 
     """The memory-profiling step runs before any KV cache exists: a full token budget of
     prefill, then max_num_seqs decodes with long contexts (split across programs), and leaves
     no cache behind."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter only without)
     config = EngineArgs(
         model=str(tiny_model("llama-gqa")),
-        device="cpu",
+        device=device,
         dtype="float32",
         attention_backend=backend,
         skip_tokenizer_init=True,
         max_num_seqs=4,
         max_num_batched_tokens=64,
     ).create_engine_config()
-    runner = ModelRunner(config, torch.device("cpu"))
+    runner = ModelRunner(config, torch.device(device))
     runner.load_model()
     LAUNCHES.clear()
     runner.profile_run()

@@ -48,6 +48,65 @@ def test_cuda_choices_without_a_gpu() -> None:
     assert cuda.kv_cache_budget(cache, torch.device("cuda", 0), 2, lambda: None) == 5 << 30
 
 
+class FakeDevice:
+    """torch.cuda's memory counters over a fake 100 GiB device: allocations of this process,
+    its allocator's cache, and memory other processes hold."""
+
+    GiB = 1 << 30
+
+    def __init__(self, others: int) -> None:
+        self.total, self.others = 100 * self.GiB, others
+        self.allocated = self.peak = self.cached = self.context = 0
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def install(self, monkeypatch) -> None:
+        reserved = lambda device=None: self.allocated + self.cached  # noqa: E731
+        used = lambda: reserved() + self.context + self.others  # noqa: E731
+        for name, fn in {
+            "set_device": lambda device: None,
+            "synchronize": lambda device=None: None,
+            "empty_cache": lambda: setattr(self, "cached", 0),
+            "reset_peak_memory_stats": lambda device=None: setattr(self, "peak", self.allocated),
+            "mem_get_info": lambda device=None: (self.total - used(), self.total),
+            "memory_allocated": lambda device=None: self.allocated,
+            "memory_reserved": reserved,
+            "max_memory_allocated": lambda device=None: self.peak,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+
+def test_cuda_budget_is_this_engines_share_whatever_else_holds_the_device(monkeypatch) -> None:
+    """As vLLM's gpu_memory_utilization: a share of the device for this engine, less what its
+    own allocations peaked at and what grew outside torch since it started; memory another
+    engine held before does not count, but the share must have been free."""
+    GiB = FakeDevice.GiB
+    device = torch.device("cuda", 0)
+    gpu = FakeDevice(others=30 * GiB)  # another engine on the device
+    gpu.install(monkeypatch)
+    cuda = CudaPlatform()
+    gpu.context = GiB // 2  # a CUDA context that existed before: not this engine's growth
+    cuda.init_process(device, 1)
+    gpu.alloc(3 * GiB)  # weights
+
+    def profile() -> None:  # activations of the largest step, and cuBLAS's workspace
+        gpu.alloc(2 * GiB)
+        gpu.allocated -= 2 * GiB
+        gpu.context += GiB // 4
+
+    share = CacheConfig(gpu_memory_utilization=0.5)
+    # 50 GiB, less 5 GiB peak of this engine's, less the 0.25 GiB grown outside torch.
+    assert cuda.kv_cache_budget(share, device, 1, profile) == 50 * GiB - 5 * GiB - GiB // 4
+
+    crowded = CudaPlatform()
+    gpu.others = 60 * GiB
+    crowded.init_process(device, 1)
+    with pytest.raises(ValueError, match=r"less than gpu_memory_utilization=0.5 asks for"):
+        crowded.kv_cache_budget(share, device, 1, profile)
+
+
 def test_the_kv_cache_commit_thread_runs_only_on_idle_time(monkeypatch) -> None:
     """The thread that commits the KV cache's pages yields its core to every other thread
     (SCHED_IDLE where Linux has it, else the lowest priority), commits a huge page per call

@@ -238,7 +238,7 @@ class TorchAttentionBackend(AttentionBackend):
             q = q.unsqueeze(2) if one_row else q.view(g, num_kv_heads, group_size, head_size)
             mask = group.mask_for(window, metadata.block_size)
             o = _attend(q, k, v, scale, softcap, mask)
-            out[first : first + g] = o.view(g, -1, head_size)
+            out[first : first + g] = o.reshape(g, -1, head_size)
         if metadata.prefills:
             attend_prefills(query, key, value, kv_cache, metadata.prefills, out, scale, window,
                             softcap)  # fmt: skip

@@ -231,7 +231,7 @@ def moe_on_cpu(
     source = np.zeros(batched_rows + int(own_starts[-1]), dtype=np.int64)
     source[rows] = order // ids.shape[1]
     row_weights = np.zeros(source.size, dtype=np.float32)
-    row_weights[rows] = weights.reshape(-1).float().numpy()[order]
+    row_weights[rows] = weights.reshape(-1).float().cpu().numpy()[order]
     source_t = torch.from_numpy(source).to(x.device)
     scale = torch.from_numpy(row_weights).to(x.device, x.dtype)  # exact: they were x.dtype
 
