@@ -219,7 +219,7 @@ class PackedGGUF:
 
     qtype: int
     shape: tuple[int, int]  # the logical [N, K]
-    qs: torch.Tensor  # uint8 [N / 16, K / 32, pairs, 32]
+    qs: torch.Tensor  # uint8 [N / 16, K / 32, 16, 32] (8-bit), [N / 16, K / 32, 4, 64] (4-bit)
     d: torch.Tensor  # fp16 (fp32: Q4_F, Q8_F, Q8_S) [N / 16, K / 32, 16]
     m: torch.Tensor | None  # as d (Q4_1's, Q4_F's and Q8_F's m, Q4_Z's z, Q8_S's e)
     # The input features in the weight's column order (GPTQ's act-order: the checkpoint's
@@ -244,13 +244,17 @@ class PackedGGUF:
         n, k = self.shape
         blocks, t = k // BLOCK, ids.numel()
         group, column = ids // GROUP, ids % GROUP
-        qs = self.qs[group]  # [T, blocks, pairs, 32]: word j is column j // 2 at k parity j % 2
-        words = torch.stack((2 * column, 2 * column + 1), dim=-1).view(t, 1, 1, 2)
-        picked = qs.gather(3, words.expand(t, blocks, qs.shape[2], 2))  # [T, blocks, pairs, 2]
-        if self.qtype in EIGHT_BIT:
+        # Lane j of a pair is column j // 2 at k parity j % 2.
+        lanes = torch.stack((2 * column, 2 * column + 1), dim=-1).view(t, 1, 1, 2)
+        if self.qtype in EIGHT_BIT:  # [T, blocks, pairs, 32] bytes
+            qs = self.qs[group]
+            picked = qs.gather(3, lanes.expand(t, blocks, qs.shape[2], 2))
             q = picked.view(torch.int8).reshape(t, k).float()
-        else:  # byte row pp holds pair 2pp in its low nibbles, 2pp + 1 in its high ones
-            q = torch.stack((picked & 0xF, picked >> 4), dim=3).reshape(t, k).float()
+        else:  # [T, blocks, rows, 32] words, row c's bits 4e on holding pair 4c + e
+            qs = self.qs[group].view(torch.int16).to(torch.int32) & 0xFFFF
+            picked = qs.gather(3, lanes.expand(t, blocks, qs.shape[2], 2))
+            nibbles = [(picked >> (4 * e)) & 0xF for e in range(4)]
+            q = torch.stack(nibbles, dim=3).reshape(t, k).float()  # [T, blocks, c, e, parity]
 
         def per_block(s: torch.Tensor) -> torch.Tensor:
             at = column.view(t, 1, 1).expand(t, blocks, 1)
@@ -281,9 +285,10 @@ def repack(raw: torch.Tensor, qtype: int, perm: torch.Tensor | None = None) -> P
     )
     if qtype in EIGHT_BIT:
         qs = words.to(torch.int8).contiguous().view(torch.uint8)
-    else:  # pairs 2p and 2p + 1 share a row of bytes: low and high nibbles
-        pairs = words.view(groups, blocks, 8, 2, 2 * GROUP).to(torch.uint8)
-        qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()
+    else:  # pairs 4c to 4c + 3 share row c of 16-bit words, pair 4c + e in bits 4e on
+        pairs = words.view(groups, blocks, 4, 4, 2 * GROUP).to(torch.int32)
+        row = sum(pairs[:, :, :, e] << (4 * e) for e in range(4))
+        qs = row.to(torch.uint16).contiguous().view(torch.uint8)
 
     def per_group(s: torch.Tensor) -> torch.Tensor:
         return s.view(groups, GROUP, blocks).transpose(1, 2).contiguous()

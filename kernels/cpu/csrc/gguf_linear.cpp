@@ -1,10 +1,11 @@
 // gguf_linear: y = x @ W^T (+ bias) for a weight kept in a GGUF block format (Q4_0, Q4_1,
 // Q8_0: 32 weights of a row share an fp16 scale d, and Q4_1 an fp16 minimum m), re-laid out
 // once at load (kernels/cpu/gguf.py) into groups of 16 output columns:
-//   qs: [N / 16, K / 32, pairs, 32] bytes: per block of 32 k, per pair of k (2p, 2p + 1) a
-//       vector of 32 values, word j = column j / 2 at k 2p + j % 2 (the pairs of k side by
-//       side, as AVX512-BF16 dot products read them); Q4 packs pairs 2p' and 2p' + 1 into one
-//       32-byte row (low and high nibbles), Q8 one pair per row (int8);
+//   qs: per block of 32 k, per pair of k (2p, 2p + 1) a vector of 32 values, lane j = column
+//       j / 2 at k 2p + j % 2 (the pairs of k side by side, as AVX512-BF16 dot products read
+//       them). Q8: [N / 16, K / 32, 16, 32] bytes, pair p's int8 values in row p. Q4:
+//       [N / 16, K / 32, 4, 64] bytes, row c 32 16-bit words whose bits 4e to 4e + 3 hold
+//       lane j of pair 4c + e: a shift and a mask take any pair out of the row, no shuffles;
 //   d, m: [N / 16, K / 32, 16] fp16, per column of the group.
 // A weight is w = d * (q - 8) (Q4_0), d * q + m (Q4_1), d * q (Q8_0), as GGUF defines it.
 // Q4_Z is no GGML type but the int4 checkpoints' (AWQ, GPTQ): Q4_1's layout with m holding an
@@ -15,9 +16,12 @@
 // (GGUF's Q6_K, a scale per 16 weights).
 //
 // Few rows (decodes) on AVX512-BF16: each block's values become exact bf16 integers in
-// registers (a table lookup for 4 bits, a conversion for 8) and meet the activations in dot
-// products with fp32 sums; a block's 16 column sums are then scaled by d (and Q4_1 adds m
-// times the block's sum of x): the 16 columns are the 16 lanes, so no horizontal sums. The
+// registers and meet the activations in dot products with fp32 sums; a block's 16 column
+// sums are then scaled by d (and Q4_1 adds m times the block's sum of x): the 16 columns are
+// the 16 lanes, so no horizontal sums. A 4-bit q becomes the bf16 128 + q by one bitwise op
+// (0x4300 | q: 128's exponent, q in the mantissa's last bits), and 128 times the block's sum
+// of x comes off its sums (a table lookup per pair, vpermw, was the loop's bottleneck on
+// AMD's cores); an 8-bit one is converted. The
 // weight streams once at ~0.6 (Q4) or ~1.1 (Q8) bytes a weight instead of bf16's 2.
 // Up to 8 rows on a CPU without AMX the same loop runs too, a group of 16 columns per task
 // (each block turned into bf16 integers once for all the rows).
@@ -33,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -64,11 +69,12 @@ bool fp32_fields(int64_t qtype) { return qtype == kQ4_F || qtype == kQ8_F || qty
 bool adds_minimum(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ4_F || qtype == kQ8_F; }
 
 // Bytes of qs per (group, block).
-int64_t group_block_bytes(int64_t qtype) { return eight_bit(qtype) ? 16 * 32 : 8 * 32; }
+int64_t group_block_bytes(int64_t qtype) { return eight_bit(qtype) ? 16 * 32 : 4 * 64; }
 
-// The 4-bit value of column c at k = 2p + e (within its block) in a Q4 group block.
+// The 4-bit value of column c at k = 2p + e (within its block) in a Q4 group block: bits
+// 4 (p % 4) on of row p / 4's word 2c + e (little-endian).
 inline int q4_value(const uint8_t* gb, int64_t p, int64_t c, int64_t e) {
-  const uint8_t byte = gb[(p / 2) * 32 + 2 * c + e];
+  const uint8_t byte = gb[(p / 4) * 64 + 2 * (2 * c + e) + (p % 4) / 2];
   return (p % 2 == 0) ? (byte & 0xF) : (byte >> 4);
 }
 
@@ -121,12 +127,13 @@ TOKENMILL_BF16_TARGET inline __m512 load_scales(const Weight& w, const void* s, 
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
-// Pairs 2pp and 2pp + 1 of a Q4 group block as bf16 integers (through `table`).
-TOKENMILL_BF16_TARGET inline void q4_pairs(const uint8_t* row, __m512i table, __m512i& v0,
-                                           __m512i& v1) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-  v0 = _mm512_permutexvar_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0xF)), table);
-  v1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+// Pair 4c + e of a Q4 group block's row c (`row`, 32 words) as the bf16 integers 128 + q.
+template <int E>
+TOKENMILL_BF16_TARGET inline __m512i q4_pair(__m512i row) {
+  const __m512i shifted = E == 0 ? row : _mm512_srli_epi16(row, 4 * E);
+  // (shifted & 0xF) | 0x4300, one ternary-logic op (A & B | C).
+  return _mm512_ternarylogic_epi32(shifted, _mm512_set1_epi16(0xF), _mm512_set1_epi16(0x4300),
+                                   0xEA);
 }
 
 // Pair p of a Q8 group block as bf16 integers (exact: |q| <= 128).
@@ -163,28 +170,76 @@ TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M][GN], const __m512i (&v
   }
 }
 
+// The C partial sums cleared; added into part[0].
+template <int C, int M, int GN>
+TOKENMILL_BF16_TARGET inline void clear_sums(__m512 (&part)[C][M][GN]) {
+  for (int c = 0; c < C; ++c) {
+    for (int r = 0; r < M; ++r) {
+      for (int j = 0; j < GN; ++j) part[c][r][j] = _mm512_setzero_ps();
+    }
+  }
+}
+template <int C, int M, int GN>
+TOKENMILL_BF16_TARGET inline void gather_sums(__m512 (&part)[C][M][GN]) {
+  for (int c = 1; c < C; ++c) {
+    for (int r = 0; r < M; ++r) {
+      for (int j = 0; j < GN; ++j) part[0][r][j] = _mm512_add_ps(part[0][r][j], part[c][r][j]);
+    }
+  }
+}
+
+// Pair P of a Q8 group block into the partial sums part[P % C] (the index known at compile
+// time: the sums stay in registers).
+template <int M, int GN, int C, int P, typename T>
+TOKENMILL_BF16_TARGET inline void q8_step(const Weight& w, int64_t g0, int64_t b, const T* x,
+                                          int64_t k0, __m512 (&part)[C][M][GN]) {
+  __m512i v[GN];
+  for (int j = 0; j < GN; ++j) v[j] = q8_pair(w.group_block(g0 + j, b) + P * 32);
+  pair_dot<M, GN>(part[P % C], v, x, w.k, k0 + 2 * P);
+}
+// Pairs Offset + P... of a Q8 group block.
+template <int M, int GN, int C, int Offset, typename T, int... P>
+TOKENMILL_BF16_TARGET inline void q8_pairs(const Weight& w, int64_t g0, int64_t b, const T* x,
+                                           int64_t k0, __m512 (&part)[C][M][GN],
+                                           std::integer_sequence<int, P...>) {
+  (q8_step<M, GN, C, Offset + P>(w, g0, b, x, k0, part), ...);
+}
+
+// Row R of a Q4 group block (pairs 4R to 4R + 3) into part[(4R + e) % C].
+template <int M, int GN, int C, int R, typename T>
+TOKENMILL_BF16_TARGET inline void q4_row(const Weight& w, int64_t g0, int64_t b, const T* x,
+                                         int64_t k0, __m512 (&part)[C][M][GN]) {
+  __m512i row[GN], v[GN];
+  for (int j = 0; j < GN; ++j) row[j] = _mm512_loadu_si512(w.group_block(g0 + j, b) + R * 64);
+  for (int j = 0; j < GN; ++j) v[j] = q4_pair<0>(row[j]);
+  pair_dot<M, GN>(part[(4 * R) % C], v, x, w.k, k0 + 8 * R);
+  for (int j = 0; j < GN; ++j) v[j] = q4_pair<1>(row[j]);
+  pair_dot<M, GN>(part[(4 * R + 1) % C], v, x, w.k, k0 + 8 * R + 2);
+  for (int j = 0; j < GN; ++j) v[j] = q4_pair<2>(row[j]);
+  pair_dot<M, GN>(part[(4 * R + 2) % C], v, x, w.k, k0 + 8 * R + 4);
+  for (int j = 0; j < GN; ++j) v[j] = q4_pair<3>(row[j]);
+  pair_dot<M, GN>(part[(4 * R + 3) % C], v, x, w.k, k0 + 8 * R + 6);
+}
+
 // Rows [0, M) of x [M, k] against column groups [g0, g0 + GN): y[r, 16 g + c]. The groups'
-// sums are independent chains of dot products, and share each row's broadcast of x.
+// sums are independent chains of dot products, and share each row's broadcast of x. Where
+// rows times groups are fewer than 8, a block's pairs alternate between C partial sums, so
+// that about 8 chains run at once, enough to hide a dot product's latency (one chain waited
+// on it: a one-row product of 36 groups ran at half the speed of one of 192).
 template <int M, int GN, typename T>
 TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
                                        const float* xsum, const float* bias, T* y,
                                        int64_t y_stride) {
-  alignas(64) int16_t lut[32];
-  for (int i = 0; i < 32; ++i) {
-    const float v = w.qtype == kQ4_0 ? float((i & 15) - 8) : float(i & 15);
-    lut[i] = static_cast<int16_t>(c10::BFloat16(v).x);
-  }
-  const __m512i table = _mm512_load_si512(lut);
+  constexpr int C = M * GN >= 8 ? 1 : 8 / (M * GN);
   const int64_t gb_bytes = group_block_bytes(w.qtype);
   __m512 acc[M][GN];
   for (int r = 0; r < M; ++r) {
     for (int j = 0; j < GN; ++j) acc[r][j] = _mm512_setzero_ps();
   }
+  __m512 part[C][M][GN];
+  __m512(&s)[M][GN] = part[0];
   for (int64_t b = 0; b < w.blocks; ++b) {
-    __m512 s[M][GN];
-    for (int r = 0; r < M; ++r) {
-      for (int j = 0; j < GN; ++j) s[r][j] = _mm512_setzero_ps();
-    }
+    clear_sums(part);
     const int64_t k0 = b * kBlockK;
     // The blocks kPrefetchBlocks ahead, and their scales (each stream runs in its own pages,
     // which the hardware prefetchers reach late).
@@ -200,32 +255,34 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
       }
     }
     if (eight_bit(w.qtype)) {
-      for (int64_t p = 0; p < 16; ++p) {
-        __m512i v[GN];
-        for (int j = 0; j < GN; ++j) v[j] = q8_pair(w.group_block(g0 + j, b) + p * 32);
-        pair_dot<M, GN>(s, v, x, w.k, k0 + 2 * p);
-        if (w.qtype == kQ8_S && p == 7) {  // k 0-15 done: their scale d, then on with e's
-          for (int j = 0; j < GN; ++j) {
-            const __m512 dv = load_scales(w, w.d, g0 + j, b);
-            for (int r = 0; r < M; ++r) {
-              acc[r][j] = _mm512_fmadd_ps(dv, s[r][j], acc[r][j]);
-              s[r][j] = _mm512_setzero_ps();
-            }
-          }
+      q8_pairs<M, GN, C, 0>(w, g0, b, x, k0, part, std::make_integer_sequence<int, 8>{});
+      if (w.qtype == kQ8_S) {  // k 0-15 done: their scale d, then on with e's
+        gather_sums(part);
+        for (int j = 0; j < GN; ++j) {
+          const __m512 dv = load_scales(w, w.d, g0 + j, b);
+          for (int r = 0; r < M; ++r) acc[r][j] = _mm512_fmadd_ps(dv, s[r][j], acc[r][j]);
         }
+        clear_sums(part);
       }
+      q8_pairs<M, GN, C, 8>(w, g0, b, x, k0, part, std::make_integer_sequence<int, 8>{});
     } else {
-      for (int64_t pp = 0; pp < 8; ++pp) {
-        __m512i v0[GN], v1[GN];
-        for (int j = 0; j < GN; ++j) q4_pairs(w.group_block(g0 + j, b) + pp * 32, table, v0[j], v1[j]);
-        pair_dot<M, GN>(s, v0, x, w.k, k0 + 4 * pp);
-        pair_dot<M, GN>(s, v1, x, w.k, k0 + 4 * pp + 2);
+      q4_row<M, GN, C, 0>(w, g0, b, x, k0, part);
+      q4_row<M, GN, C, 1>(w, g0, b, x, k0, part);
+      q4_row<M, GN, C, 2>(w, g0, b, x, k0, part);
+      q4_row<M, GN, C, 3>(w, g0, b, x, k0, part);
+    }
+    gather_sums(part);
+    if (!eight_bit(w.qtype)) {  // the sums were of (128 + q) x: less 128 times the sum of x
+      for (int r = 0; r < M; ++r) {
+        const __m512 offset = _mm512_set1_ps(128.f * xsum[r * w.blocks + b]);
+        for (int j = 0; j < GN; ++j) s[r][j] = _mm512_sub_ps(s[r][j], offset);
       }
     }
     for (int j = 0; j < GN; ++j) {
       const __m512 dv = load_scales(w, w.qtype == kQ8_S ? w.m : w.d, g0 + j, b);
-      if (w.qtype == kQ4_Z) {  // d * (sum x q - z * sum x)
-        const __m512 zv = load_scales(w, w.m, g0 + j, b);
+      if (w.qtype == kQ4_0 || w.qtype == kQ4_Z) {  // d * (sum x q - z * sum x), Q4_0's z 8
+        const __m512 zv =
+            w.qtype == kQ4_0 ? _mm512_set1_ps(8.f) : load_scales(w, w.m, g0 + j, b);
         for (int r = 0; r < M; ++r) {
           const __m512 t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xsum[r * w.blocks + b]), s[r][j]);
           acc[r][j] = _mm512_fmadd_ps(dv, t, acc[r][j]);
@@ -349,10 +406,9 @@ TOKENMILL_BF16_TARGET void dequantize_columns_avx512(const Weight& w, int64_t n0
         if (eight_bit(w.qtype)) {
           q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + p * 32)));
         } else {
-          const __m512i bytes = _mm512_cvtepu8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + (p / 2) * 32)));
-          q = p % 2 == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi16(0xF))
-                         : _mm512_srli_epi16(bytes, 4);
+          const __m512i row = _mm512_loadu_si512(gb + (p / 4) * 64);
+          q = _mm512_and_si512(_mm512_srl_epi16(row, _mm_cvtsi32_si128(4 * (p % 4))),
+                               _mm512_set1_epi16(0xF));
           if (w.qtype == kQ4_0) q = _mm512_sub_epi16(q, _mm512_set1_epi16(8));
         }
         __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
@@ -465,9 +521,10 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
               "gguf_linear: qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_Z (1000), Q4_F "
               "(1001), Q8_F (1002) or Q8_S (1003), got ", qtype);
   TORCH_CHECK(qs.dim() == 4 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
-                  qs.size(3) == 32 && qs.size(2) == (eight_bit(qtype) ? 16 : 8),
-              "gguf_linear: qs must be a contiguous uint8 [N / 16, K / 32, pairs, 32], got ",
-              qs.sizes());
+                  qs.size(2) == (eight_bit(qtype) ? 16 : 4) &&
+                  qs.size(3) == (eight_bit(qtype) ? 32 : 64),
+              "gguf_linear: qs must be a contiguous uint8 [N / 16, K / 32, 16, 32] (8-bit) or "
+              "[N / 16, K / 32, 4, 64] (4-bit), got ", qs.sizes());
   const int64_t groups = qs.size(0), blocks = qs.size(1);
   const auto scale_type = fp32_fields(qtype) ? at::kFloat : at::kHalf;
   TORCH_CHECK(d.scalar_type() == scale_type && d.is_contiguous() &&
@@ -534,15 +591,16 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   }
   at::Tensor y = at::empty({rows, n}, x.options());
   if (cpu_isa() >= 2 && (rows <= kFewRows || (rows <= kDotRows && cpu_isa() < 3))) {
-    // A minimum or a zero point meets each block's sum of x (a plain loop: torch ops here
-    // cost more than the product at one row).
-    std::vector<float> xsum(adds_minimum(qtype) || qtype == kQ4_Z ? rows * blocks : 0);
+    // A minimum, a zero point or 4-bit values' offset meets each block's sum of x (a plain
+    // loop: torch ops here cost more than the product at one row).
+    std::vector<float> xsum(eight_bit(qtype) && !adds_minimum(qtype) ? 0 : rows * blocks);
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const at::BFloat16* xb = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
+    const float* xf = bf16 ? nullptr : x.data_ptr<float>();
     for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
       float sum = 0.f;
       for (int64_t j = 0; j < kBlockK; ++j) {
-        sum += x.scalar_type() == at::kBFloat16
-                   ? to_float(x.data_ptr<at::BFloat16>()[i * kBlockK + j])
-                   : x.data_ptr<float>()[i * kBlockK + j];
+        sum += bf16 ? to_float(xb[i * kBlockK + j]) : xf[i * kBlockK + j];
       }
       xsum[i] = sum;
     }
