@@ -19,12 +19,11 @@
 // registers and meet the activations in dot products with fp32 sums; a block's 16 column
 // sums are then scaled by d (and Q4_1 adds m times the block's sum of x): the 16 columns are
 // the 16 lanes, so no horizontal sums. A 4-bit q becomes the bf16 128 + q by one bitwise op
-// (0x4300 | q: 128's exponent, q in the mantissa's last bits), and 128 times the block's sum
-// of x comes off its sums (a table lookup per pair, vpermw, was the loop's bottleneck on
-// AMD's cores); an 8-bit one is converted. The
-// weight streams once at ~0.6 (Q4) or ~1.1 (Q8) bytes a weight instead of bf16's 2.
-// Up to 8 rows on a CPU without AMX the same loop runs too, a group of 16 columns per task
-// (each block turned into bf16 integers once for all the rows).
+// (0x4300 | q: 128's exponent, q in the mantissa's last bits; no shuffles), and 128 times
+// the block's sum of x comes off its sums; an 8-bit one is converted. The weight streams
+// once at ~0.6 (Q4) or ~1.1 (Q8) bytes a weight instead of bf16's 2.
+// Up to 64 rows on a CPU without AMX the same loop runs too, a group of 16
+// columns per task and its rows 8 at a time while the group's blocks stay in cache.
 // Many rows (prefills), or a CPU without AVX512-BF16: a block of 64 columns is de-quantized
 // into the layout `linear`'s microkernel reads (the weights' values rounded to x's dtype, as
 // de-quantizing the checkpoint would give them) and multiplied there, for every row.
@@ -55,14 +54,18 @@ constexpr int64_t kBlockK = 32;                   // weights per scale
 constexpr int64_t kColumnBlock = 64;              // columns per task on the many-row path
 constexpr int64_t kRowBlock = 256;                // rows per microkernel call there
 constexpr int64_t kFewRows = 4;                   // rows up to which the dot-product loop runs
-// ... and up to which it runs without AMX (measured on AVX512-BF16: 5-8 rows 1.3-1.8x faster
-// than de-quantizing for the microkernel, 16 and more slower; with AMX the bf16 tiles
-// multiply a de-quantized block faster from 5 rows on).
-constexpr int64_t kDotRows = 8;
 constexpr int64_t kPrefetchBlocks = 8;            // how far ahead that loop prefetches
 
 // A byte per weight (else two 4-bit weights per byte).
 bool eight_bit(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ8_F || qtype == kQ8_S; }
+// Rows up to which the dot-product loop runs without AMX, 8 rows at a time over a group's
+// cached blocks (measured on an AVX512-BF16 EPYC, 120 SmolLM2-shaped weights a pass, the loop
+// against de-quantizing for the microkernel: Q4_1 at 16 rows 13.0 against 18.9 ms, 32 rows
+// 24.4 against 25.9, 40 rows 31.5 against 47.6 (rows not a multiple of 16 are padded there),
+// 48 rows 38.3 against 33.7, 64 rows 47.4 against 43.4; Q8_0 at 64 rows 42.0 against 47.3).
+// With AMX the bf16 tiles multiply a de-quantized block faster from kFewRows + 1 rows on
+// (measured before the loop took its 4-bit values without table lookups).
+constexpr int64_t kDotRows = 64;
 // d and m in fp32 (else fp16).
 bool fp32_fields(int64_t qtype) { return qtype == kQ4_F || qtype == kQ8_F || qtype == kQ8_S; }
 // w = d * q + m (a minimum added per block).
@@ -146,8 +149,9 @@ TOKENMILL_BF16_TARGET inline __m512i q8_pair(const uint8_t* row) {
 }
 
 // s[r][j] += pair j's products with row r's x at k0, k0 + 1 (x bf16: one dot product;
-// fp32: each pair's two halves as fp32, each times its k's x).
-template <int M, int GN, typename T>
+// fp32: each pair's two halves as fp32, each times its k's x; Offset: the values are 4-bit
+// ones' 128 + q, which fp32 takes back to q exactly before it multiplies).
+template <int M, int GN, bool Offset = false, typename T>
 TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M][GN], const __m512i (&v)[GN],
                                            const T* x, int64_t k, int64_t k0) {
   if constexpr (std::is_same<T, at::BFloat16>::value) {
@@ -159,9 +163,12 @@ TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M][GN], const __m512i (&v
     }
   } else {
     for (int j = 0; j < GN; ++j) {
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v[j], 16));
-      const __m512 odd =
-          _mm512_castsi512_ps(_mm512_and_si512(v[j], _mm512_set1_epi32(0xFFFF0000)));
+      __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v[j], 16));
+      __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v[j], _mm512_set1_epi32(0xFFFF0000)));
+      if constexpr (Offset) {
+        even = _mm512_sub_ps(even, _mm512_set1_ps(128.f));
+        odd = _mm512_sub_ps(odd, _mm512_set1_ps(128.f));
+      }
       for (int r = 0; r < M; ++r) {
         s[r][j] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * k + k0]), s[r][j]);
         s[r][j] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * k + k0 + 1]), s[r][j]);
@@ -212,13 +219,13 @@ TOKENMILL_BF16_TARGET inline void q4_row(const Weight& w, int64_t g0, int64_t b,
   __m512i row[GN], v[GN];
   for (int j = 0; j < GN; ++j) row[j] = _mm512_loadu_si512(w.group_block(g0 + j, b) + R * 64);
   for (int j = 0; j < GN; ++j) v[j] = q4_pair<0>(row[j]);
-  pair_dot<M, GN>(part[(4 * R) % C], v, x, w.k, k0 + 8 * R);
+  pair_dot<M, GN, true>(part[(4 * R) % C], v, x, w.k, k0 + 8 * R);
   for (int j = 0; j < GN; ++j) v[j] = q4_pair<1>(row[j]);
-  pair_dot<M, GN>(part[(4 * R + 1) % C], v, x, w.k, k0 + 8 * R + 2);
+  pair_dot<M, GN, true>(part[(4 * R + 1) % C], v, x, w.k, k0 + 8 * R + 2);
   for (int j = 0; j < GN; ++j) v[j] = q4_pair<2>(row[j]);
-  pair_dot<M, GN>(part[(4 * R + 2) % C], v, x, w.k, k0 + 8 * R + 4);
+  pair_dot<M, GN, true>(part[(4 * R + 2) % C], v, x, w.k, k0 + 8 * R + 4);
   for (int j = 0; j < GN; ++j) v[j] = q4_pair<3>(row[j]);
-  pair_dot<M, GN>(part[(4 * R + 3) % C], v, x, w.k, k0 + 8 * R + 6);
+  pair_dot<M, GN, true>(part[(4 * R + 3) % C], v, x, w.k, k0 + 8 * R + 6);
 }
 
 // Rows [0, M) of x [M, k] against column groups [g0, g0 + GN): y[r, 16 g + c]. The groups'
@@ -272,7 +279,8 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
       q4_row<M, GN, C, 3>(w, g0, b, x, k0, part);
     }
     gather_sums(part);
-    if (!eight_bit(w.qtype)) {  // the sums were of (128 + q) x: less 128 times the sum of x
+    if (!eight_bit(w.qtype) && std::is_same<T, at::BFloat16>::value) {
+      // The sums were of (128 + q) x: less 128 times the sum of x.
       for (int r = 0; r < M; ++r) {
         const __m512 offset = _mm512_set1_ps(128.f * xsum[r * w.blocks + b]);
         for (int j = 0; j < GN; ++j) s[r][j] = _mm512_sub_ps(s[r][j], offset);
@@ -332,6 +340,37 @@ void gemv_rows(const Weight& w, const T* x, const float* xsum, const float* bias
   });
 }
 
+// Rows [r0, r0 + M) against group g.
+template <int M, typename T>
+void gemv_chunk(const Weight& w, int64_t g, const T* x, int64_t r0, const float* xsum,
+                const float* bias, T* y) {
+  gemv_groups<M, 1>(w, g, x + r0 * w.k, xsum + r0 * w.blocks, bias, y + r0 * w.n, w.n);
+}
+
+// More than 8 rows: a task per group of 16 columns, its rows 8 at a time while the group's
+// blocks (K / 32 * 256 bytes for 4 bits: 4.6 KB at K = 576) stay in the core's cache, so the
+// weight streams from memory once and nothing is written but y.
+template <typename T>
+void gemv_many(const Weight& w, const T* x, int64_t m, const float* xsum, const float* bias,
+               T* y) {
+  at::parallel_for(0, w.n / kGroup, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      int64_t r0 = 0;
+      for (; r0 + 8 <= m; r0 += 8) gemv_chunk<8>(w, g, x, r0, xsum, bias, y);
+      switch (m - r0) {
+        case 0: break;
+        case 1: gemv_chunk<1>(w, g, x, r0, xsum, bias, y); break;
+        case 2: gemv_chunk<2>(w, g, x, r0, xsum, bias, y); break;
+        case 3: gemv_chunk<3>(w, g, x, r0, xsum, bias, y); break;
+        case 4: gemv_chunk<4>(w, g, x, r0, xsum, bias, y); break;
+        case 5: gemv_chunk<5>(w, g, x, r0, xsum, bias, y); break;
+        case 6: gemv_chunk<6>(w, g, x, r0, xsum, bias, y); break;
+        default: gemv_chunk<7>(w, g, x, r0, xsum, bias, y);
+      }
+    }
+  });
+}
+
 template <typename T>
 void gemv(const Weight& w, const T* x, int64_t m, const float* xsum, const float* bias, T* y) {
   switch (m) {
@@ -342,7 +381,8 @@ void gemv(const Weight& w, const T* x, int64_t m, const float* xsum, const float
     case 5: gemv_rows<5>(w, x, xsum, bias, y); break;
     case 6: gemv_rows<6>(w, x, xsum, bias, y); break;
     case 7: gemv_rows<7>(w, x, xsum, bias, y); break;
-    default: gemv_rows<8>(w, x, xsum, bias, y);
+    case 8: gemv_rows<8>(w, x, xsum, bias, y); break;
+    default: gemv_many(w, x, m, xsum, bias, y);
   }
 }
 
