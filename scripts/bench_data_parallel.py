@@ -184,7 +184,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct",
+                        help="default: SmolLM2-135M-Instruct's HF folder")
     parser.add_argument("--data-parallel-size", type=int, default=2)
     parser.add_argument("--routings", nargs="+", default=["load", "prefix:32"])
     parser.add_argument("--systems", type=int, default=16)

@@ -67,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=None, help="local HF folder (default: SmolLM2)")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct",
+                        help="local HF folder (default: SmolLM2's)")
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
 

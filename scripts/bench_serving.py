@@ -631,7 +631,7 @@ def main() -> None:
         if args.model_path is None:
             from tokenmill.protocol.default_model import resolve_model
 
-            args.model_path = resolve_model(None)
+            args.model_path = resolve_model("SmolLM2-135M-Instruct")  # the HF folder
         if args.tokenizer is None and args.dataset == "random":
             args.tokenizer = args.model_path  # exact prompt lengths for the served model
         if args.launch_tokenmill:

@@ -232,7 +232,8 @@ def print_table(args, results) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct",
+                        help="default: SmolLM2-135M-Instruct's HF folder")
     parser.add_argument("--draft", default="SmolLM2-135M-Instruct-draft")
     parser.add_argument("--methods", nargs="+", default=["off", "ngram", "draft"],
                         choices=["off", "ngram", "draft"])  # fmt: skip

@@ -235,7 +235,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct)"
+        "--model", default="SmolLM2-135M-Instruct",
+        help="a local folder or GGUF file (default: SmolLM2-135M-Instruct's HF folder, which the "
+        "peers read too; the file LLM() runs natively is --model FILE.gguf)"
     )
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1-cpu")
     parser.add_argument(

@@ -25,7 +25,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct)"
+        "--model", default=None,
+        help="a local folder or GGUF file (default: SmolLM2-135M-Instruct's Q4_1 file, natively)"
     )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)

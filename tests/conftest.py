@@ -188,9 +188,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from tokenmill.protocol.default_model import resolve_model
+    """The default model's HF folder (its Q4_1 weights de-quantized: what HF reads)."""
+    from tokenmill.protocol.default_model import DEFAULT_MODEL, resolve_model
 
-    return resolve_model(None)
+    return resolve_model(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="session")

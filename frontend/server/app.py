@@ -348,10 +348,11 @@ def serve(args: argparse.Namespace) -> int:
         engine = AsyncLLM(engine_address=args.engine_address)
     else:
         engine = AsyncLLM.from_engine_args(engine_args_from(args))
-    # As given; the default model (or a daemon's) by its folder's name.
+    # As given; the default model by its name, a daemon's by its folder's.
     model_name = (
         args.served_model_name
         or args.model
+        or (DEFAULT_MODEL if args.engine_address is None else None)
         or os.path.basename(engine.model_config.model.rstrip("/"))
     )
     stat_logger = PrometheusStatLogger(model_name)

@@ -122,3 +122,25 @@ def test_worker_memory_holds_the_file_not_a_copy() -> None:
     print(f"model memory: {memory}; file {file_bytes}")
     assert memory["weights_bytes"] <= 1.5 * file_bytes, (memory, file_bytes)
     assert memory["load_bytes"] <= 1.5 * file_bytes, (memory, file_bytes)
+
+
+def test_the_tensor_table_reads_the_file_as_gguf_py_does(tmp_path) -> None:
+    """The table written beside a GGUF model (its scalar metadata and tensors' places) gives
+    the tensors gguf-py's reader gives, without parsing the tokenizer's arrays at each load."""
+    import numpy as np
+
+    from tokenmill.worker.layers.quantization.gguf import read_gguf, write_tensor_table
+
+    link = tmp_path / "model.gguf"
+    link.symlink_to(default_gguf_file())
+    fields_by_gguf_py, tensors_by_gguf_py = read_gguf(link)  # no table yet
+    write_tensor_table(default_gguf_file(), tmp_path)
+    fields, tensors = read_gguf(link)
+    assert fields == fields_by_gguf_py and fields["general.architecture"] == "llama"
+    assert len(tensors) == len(tensors_by_gguf_py) == 272
+    for ours, theirs in zip(tensors, tensors_by_gguf_py, strict=True):
+        assert (ours.name, ours.tensor_type, ours.shape) == (
+            theirs.name, theirs.tensor_type, theirs.shape,
+        )  # fmt: skip
+        assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape
+        assert np.array_equal(ours.data, theirs.data), ours.name

@@ -62,8 +62,16 @@ def test_a_character_cut_off_by_the_end_is_emitted_at_finish(smollm2_path: str) 
 
 @pytest.mark.slow
 def test_default_model_aliases_resolve_to_one_folder(smollm2_path: str) -> None:
-    for name in (None, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+    from pathlib import Path
+
+    from tokenmill.protocol.default_model import default_gguf_file
+
+    # The names give the HF folder; no model at all, the shipped Q4_1 file as it is stored.
+    for name in ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         assert resolve_model(name) == smollm2_path
+    native = Path(resolve_model(None))
+    assert (native / "model.gguf").resolve() == default_gguf_file().resolve()
+    assert (native / "config.json").is_file() and not (native / "model.safetensors").exists()
 
 
 def test_unknown_model_is_a_clear_error(tmp_path) -> None:

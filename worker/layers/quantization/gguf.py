@@ -14,9 +14,11 @@ de-quantized into the layer's weight, with one log line naming what.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -115,21 +117,84 @@ def _checkpoint_name(
     return None
 
 
+# Beside a GGUF model's `model.gguf` link (protocol/default_model.py: gguf_model_path): the
+# file's scalar metadata and tensor table as gguf-py reads them, written once. gguf-py's
+# reader parses every metadata field, a tokenizer's ~100k strings too: 2-3 s of each load on
+# 2 cores, where the table takes milliseconds.
+TENSOR_TABLE = "gguf_tensors.json"
+
+
+@dataclass
+class GGUFTensor:
+    """A tensor of the file as gguf-py's ReaderTensor gives it: its type, its dimensions
+    innermost first, and its bytes viewed as gguf-py views them."""
+
+    name: str
+    tensor_type: int
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def write_tensor_table(file: Path, folder: Path) -> None:
+    """The table of `file` (read by gguf-py) into `folder`."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(file))
+    fields = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY
+    }
+    tensors = [
+        {"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
+         "offset": int(t.data_offset), "dtype": t.data.dtype.str,
+         "data_shape": [int(d) for d in t.data.shape]}
+        for t in reader.tensors
+    ]  # fmt: skip
+    (folder / TENSOR_TABLE).write_text(json.dumps({"fields": fields, "tensors": tensors}))
+
+
+def read_gguf(path: Path) -> tuple[dict[str, object], list[GGUFTensor]]:
+    """The file's scalar metadata and its tensors: from the table beside it where there is
+    one, else read by gguf-py."""
+    table = path.parent / TENSOR_TABLE
+    if table.is_file():
+        header = json.loads(table.read_text())
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = []
+        for t in header["tensors"]:
+            dtype = np.dtype(t["dtype"])
+            size = int(np.prod(t["data_shape"])) * dtype.itemsize
+            data = raw[t["offset"] : t["offset"] + size].view(dtype).reshape(t["data_shape"])
+            tensors.append(GGUFTensor(t["name"], t["type"], tuple(t["shape"]), data))
+        return header["fields"], tensors
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY
+    }
+    tensors = [GGUFTensor(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), t.data)
+               for t in reader.tensors]  # fmt: skip
+    return fields, tensors
+
+
 def iter_gguf_weights(path: Path, model: nn.Module) -> Iterator[tuple[str, object]]:
     """The file's tensors under the checkpoint names `model` loads (its parameters' names,
     q/k/v and gate/up before fusing)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    arch = str(reader.fields["general.architecture"].contents())
+    fields, tensors = read_gguf(path)
+    arch = str(fields["general.architecture"])
     try:
         model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     except StopIteration:
         raise ValueError(f"GGUF architecture {arch!r} is unknown to gguf-py") from None
-    blocks = int(reader.fields[f"{arch}.block_count"].contents())
-    heads = int(reader.fields[f"{arch}.attention.head_count"].contents())
-    kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
-    kv_heads = int(kv_field.contents()) if kv_field is not None else heads
+    blocks = int(fields[f"{arch}.block_count"])
+    heads = int(fields[f"{arch}.attention.head_count"])
+    kv_heads = int(fields.get(f"{arch}.attention.head_count_kv", heads))
     name_map = gguf.get_tensor_name_map(model_arch, blocks)
     candidates: dict[str, list[str]] = {}
     for theirs, (_, ours) in name_map.mapping.items():
@@ -161,7 +226,7 @@ def iter_gguf_weights(path: Path, model: nn.Module) -> Iterator[tuple[str, objec
     # llama.cpp's converter stores Gemma's (and Nemotron's) norms as 1 + w; the checkpoint
     # (and these models) hold w.
     plus_one_norms = arch in ("gemma", "gemma2", "gemma3", "nemotron")
-    for tensor in reader.tensors:
+    for tensor in tensors:
         if len(tensor.shape) == 3:
             yield from _per_expert(tensor, candidates, stacks_experts)
             continue
