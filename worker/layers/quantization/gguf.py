@@ -135,16 +135,23 @@ class GGUFTensor:
     data: np.ndarray
 
 
+def _scalar_fields(reader) -> dict[str, object]:
+    """A gguf-py reader's metadata fields but its arrays (the tokenizer's)."""
+    import gguf
+
+    return {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY
+    }
+
+
 def write_tensor_table(file: Path, folder: Path) -> None:
     """The table of `file` (read by gguf-py) into `folder`."""
     import gguf
 
     reader = gguf.GGUFReader(str(file))
-    fields = {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY
-    }
+    fields = _scalar_fields(reader)
     tensors = [
         {"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
          "offset": int(t.data_offset), "dtype": t.data.dtype.str,
@@ -171,11 +178,7 @@ def read_gguf(path: Path) -> tuple[dict[str, object], list[GGUFTensor]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    fields = {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY
-    }
+    fields = _scalar_fields(reader)
     tensors = [GGUFTensor(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), t.data)
                for t in reader.tensors]  # fmt: skip
     return fields, tensors
