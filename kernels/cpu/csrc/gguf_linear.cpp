@@ -54,10 +54,6 @@ constexpr int64_t kBlockK = 32;                   // weights per scale
 constexpr int64_t kColumnBlock = 64;              // columns per task on the many-row path
 constexpr int64_t kRowBlock = 256;                // rows per microkernel call there
 constexpr int64_t kFewRows = 4;                   // rows up to which the dot-product loop runs
-constexpr int64_t kPrefetchBlocks = 8;            // how far ahead that loop prefetches
-
-// A byte per weight (else two 4-bit weights per byte).
-bool eight_bit(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ8_F || qtype == kQ8_S; }
 // Rows up to which the dot-product loop runs without AMX, 8 rows at a time over a group's
 // cached blocks (measured on an AVX512-BF16 EPYC, 120 SmolLM2-shaped weights a pass, the loop
 // against de-quantizing for the microkernel: Q4_1 at 16 rows 13.0 against 18.9 ms, 32 rows
@@ -66,6 +62,10 @@ bool eight_bit(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ8_F || qtype
 // With AMX the bf16 tiles multiply a de-quantized block faster from kFewRows + 1 rows on
 // (measured before the loop took its 4-bit values without table lookups).
 constexpr int64_t kDotRows = 64;
+constexpr int64_t kPrefetchBlocks = 8;            // how far ahead that loop prefetches
+
+// A byte per weight (else two 4-bit weights per byte).
+bool eight_bit(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ8_F || qtype == kQ8_S; }
 // d and m in fp32 (else fp16).
 bool fp32_fields(int64_t qtype) { return qtype == kQ4_F || qtype == kQ8_F || qtype == kQ8_S; }
 // w = d * q + m (a minimum added per block).
