@@ -232,13 +232,15 @@ class CudaPlatform(Platform):
         # What the device holds before this engine loads anything (other processes, other
         # engines in this process): gpu_memory_utilization is this engine's share, as in
         # vLLM, so the budget counts only what grows from here.
+        self._baseline = {**getattr(self, "_baseline", {}), device: self._snapshot(device)}
+
+    @staticmethod
+    def _snapshot(device: torch.device) -> tuple[int, int, int]:
+        """(free bytes, this process's torch allocations, bytes held outside its allocator)."""
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        self._baseline = {
-            **getattr(self, "_baseline", {}),
-            device: (free, torch.cuda.memory_allocated(device),
-                     total - free - torch.cuda.memory_reserved(device)),
-        }  # fmt: skip
+        reserved = torch.cuda.memory_reserved(device)
+        return free, torch.cuda.memory_allocated(device), total - free - reserved
 
     def thread_setup(self, device: torch.device) -> Callable[[], None] | None:
         return lambda: torch.cuda.set_device(device)
@@ -260,7 +262,11 @@ class CudaPlatform(Platform):
         engines held then is not counted, but the share must have been free."""
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
-        free_at_start, allocated_at_start, outside_at_start = self._baseline[device]
+        baseline = getattr(self, "_baseline", {}).get(device)
+        if baseline is None:  # init_process never ran here: every torch allocation counts
+            free, _, outside = self._snapshot(device)
+            baseline = (free + torch.cuda.memory_reserved(device), 0, outside)
+        free_at_start, allocated_at_start, outside_at_start = baseline
         total = torch.cuda.mem_get_info(device)[1]
         requested = int(total * cache.gpu_memory_utilization)
         if free_at_start < requested:
