@@ -100,6 +100,11 @@ def test_cuda_budget_is_this_engines_share_whatever_else_holds_the_device(monkey
     # 50 GiB, less 5 GiB peak of this engine's, less the 0.25 GiB grown outside torch.
     assert cuda.kv_cache_budget(share, device, 1, profile) == 50 * GiB - 5 * GiB - GiB // 4
 
+    # Asked without init_process (weights already loaded): every allocation of the process
+    # counts, as above.
+    late = CudaPlatform()
+    assert late.kv_cache_budget(share, device, 1, profile) == 50 * GiB - 5 * GiB - GiB // 4
+
     crowded = CudaPlatform()
     gpu.others = 60 * GiB
     crowded.init_process(device, 1)
