@@ -515,15 +515,24 @@ void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const floa
                               T* y) {
   const bool vnni = std::is_same<T, at::BFloat16>::value;
   const int64_t k = w.k, row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  // Past 16 rows, rows up to a multiple of 16 padded with zeros, once (as linear does: a
+  // microkernel per row count otherwise); only the real rows are stored. (Padded per column
+  // block, the copies cost more than the product at 17-47 rows.)
+  std::vector<T> padded;
+  const T* xa = x;
+  int64_t m_run = m;
+  if (m > 16 && m % 16 != 0) {
+    m_run = (m + 15) / 16 * 16;
+    padded.assign(m_run * k, from_float<T>(0.f));
+    std::copy(x, x + m * k, padded.begin());
+    xa = padded.data();
+  }
   at::parallel_for(0, w.n / kColumnBlock, 1, [&](int64_t begin, int64_t end) {
     // (64-byte aligned: each k's row of 64 columns is whole cache lines)
     std::vector<T> storage(k * kColumnBlock + 64 / sizeof(T));
     T* buf = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) &
                                   ~uintptr_t{63});
     std::vector<float> scratch(kRowBlock * kColumnBlock);
-    // Rows of a last block that is not a multiple of 16, padded with zeros (as linear does:
-    // a microkernel per row count otherwise).
-    std::vector<T> tail;
     for (int64_t cb = begin; cb < end; ++cb) {
       const int64_t n0 = cb * kColumnBlock;
       if (cpu_isa() >= 2) {
@@ -533,14 +542,8 @@ void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const floa
       }
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
         const int64_t m0 = rb * kRowBlock, rows = std::min(kRowBlock, m - m0);
-        const T* a = x + m0 * k;
-        int64_t rows_run = rows;
-        if (rows > 16 && rows % 16 != 0) {
-          rows_run = (rows + 15) / 16 * 16;
-          tail.assign(rows_run * k, from_float<T>(0.f));
-          std::copy(a, a + rows * k, tail.begin());
-          a = tail.data();
-        }
+        const int64_t rows_run = std::min(kRowBlock, m_run - m0);
+        const T* a = xa + m0 * k;
         at::native::cpublas::brgemm(rows_run, kColumnBlock, k, k, kColumnBlock, kColumnBlock,
                                     false, a, buf, scratch.data(), vnni);
         store_rows(scratch.data(), rows, bias != nullptr ? bias + n0 : nullptr, y + m0 * w.n + n0,
