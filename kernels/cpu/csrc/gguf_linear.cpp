@@ -56,9 +56,10 @@ constexpr int64_t kRowBlock = 256;                // rows per microkernel call t
 constexpr int64_t kFewRows = 4;                   // rows up to which the dot-product loop runs
 // Rows up to which the dot-product loop runs without AMX, 8 rows at a time over a group's
 // cached blocks (measured on an AVX512-BF16 EPYC, 120 SmolLM2-shaped weights a pass, the loop
-// against de-quantizing for the microkernel: Q4_1 at 16 rows 13.0 against 18.9 ms, 32 rows
-// 24.4 against 25.9, 40 rows 31.5 against 47.6 (rows not a multiple of 16 are padded there),
-// 48 rows 38.3 against 33.7, 64 rows 47.4 against 43.4; Q8_0 at 64 rows 42.0 against 47.3).
+// against de-quantizing for the microkernel: Q4_1 at 16 rows 12.1 against 18.7 ms, 24 rows
+// 17.5 against 30.6, 40 rows 29.2 against 38.7, 48 rows 33.5 against 33.7, 56 rows 38.9
+// against 47.6, 64 rows 44.3 against 41.5; Q8_0 at 40 rows 26.7 against 35.4, 64 rows 40.9
+// against 41.8).
 // With AMX the bf16 tiles multiply a de-quantized block faster from kFewRows + 1 rows on
 // (measured before the loop took its 4-bit values without table lookups).
 constexpr int64_t kDotRows = 64;
