@@ -187,12 +187,12 @@ def weight_stream_floor(model_path: str, dtype: str) -> tuple[float, float]:
 
     gguf_file = Path(model_path) / "model.gguf"
     if gguf_file.exists():  # a GGUF model runs its blocks as stored: their bytes
-        import gguf
+        from tokenmill.worker.layers.quantization.gguf import read_gguf
 
-        tensors = gguf.GGUFReader(str(gguf_file)).tensors
+        tensors = read_gguf(gguf_file)[1]
         tied = not any(t.name == "output.weight" for t in tensors)
         weight_bytes = sum(
-            int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight"
+            t.data.nbytes for t in tensors if tied or t.name != "token_embd.weight"
         )
         return weight_bytes, _dram_read_rate()
     config = AutoConfig.from_pretrained(model_path)

@@ -224,6 +224,10 @@ class CudaPlatform(Platform):
     triton_interpreted = False
     pinned_staging = True
 
+    def __init__(self) -> None:
+        # Per device, what it held when this process's engine began (init_process).
+        self._baseline: dict[torch.device, tuple[int, int, int]] = {}
+
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cuda", local_rank)
 
@@ -232,7 +236,7 @@ class CudaPlatform(Platform):
         # What the device holds before this engine loads anything (other processes, other
         # engines in this process): gpu_memory_utilization is this engine's share, as in
         # vLLM, so the budget counts only what grows from here.
-        self._baseline = {**getattr(self, "_baseline", {}), device: self._snapshot(device)}
+        self._baseline[device] = self._snapshot(device)
 
     @staticmethod
     def _snapshot(device: torch.device) -> tuple[int, int, int]:
@@ -262,7 +266,7 @@ class CudaPlatform(Platform):
         engines held then is not counted, but the share must have been free."""
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
-        baseline = getattr(self, "_baseline", {}).get(device)
+        baseline = self._baseline.get(device)
         if baseline is None:  # init_process never ran here: every torch allocation counts
             free, _, outside = self._snapshot(device)
             baseline = (free + torch.cuda.memory_reserved(device), 0, outside)

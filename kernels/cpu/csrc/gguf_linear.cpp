@@ -213,20 +213,22 @@ TOKENMILL_BF16_TARGET inline void q8_pairs(const Weight& w, int64_t g0, int64_t 
   (q8_step<M, GN, C, Offset + P>(w, g0, b, x, k0, part), ...);
 }
 
-// Row R of a Q4 group block (pairs 4R to 4R + 3) into part[(4R + e) % C].
-template <int M, int GN, int C, int R, typename T>
+// Pair 4R + E of a Q4 group block (its row R already loaded) into part[(4R + E) % C].
+template <int M, int GN, int C, int R, int E, typename T>
+TOKENMILL_BF16_TARGET inline void q4_step(const __m512i (&row)[GN], const Weight& w,
+                                          const T* x, int64_t k0, __m512 (&part)[C][M][GN]) {
+  __m512i v[GN];
+  for (int j = 0; j < GN; ++j) v[j] = q4_pair<E>(row[j]);
+  pair_dot<M, GN, true>(part[(4 * R + E) % C], v, x, w.k, k0 + 8 * R + 2 * E);
+}
+// Row R of a Q4 group block: pairs 4R to 4R + 3.
+template <int M, int GN, int C, int R, typename T, int... E>
 TOKENMILL_BF16_TARGET inline void q4_row(const Weight& w, int64_t g0, int64_t b, const T* x,
-                                         int64_t k0, __m512 (&part)[C][M][GN]) {
-  __m512i row[GN], v[GN];
+                                         int64_t k0, __m512 (&part)[C][M][GN],
+                                         std::integer_sequence<int, E...>) {
+  __m512i row[GN];
   for (int j = 0; j < GN; ++j) row[j] = _mm512_loadu_si512(w.group_block(g0 + j, b) + R * 64);
-  for (int j = 0; j < GN; ++j) v[j] = q4_pair<0>(row[j]);
-  pair_dot<M, GN, true>(part[(4 * R) % C], v, x, w.k, k0 + 8 * R);
-  for (int j = 0; j < GN; ++j) v[j] = q4_pair<1>(row[j]);
-  pair_dot<M, GN, true>(part[(4 * R + 1) % C], v, x, w.k, k0 + 8 * R + 2);
-  for (int j = 0; j < GN; ++j) v[j] = q4_pair<2>(row[j]);
-  pair_dot<M, GN, true>(part[(4 * R + 2) % C], v, x, w.k, k0 + 8 * R + 4);
-  for (int j = 0; j < GN; ++j) v[j] = q4_pair<3>(row[j]);
-  pair_dot<M, GN, true>(part[(4 * R + 3) % C], v, x, w.k, k0 + 8 * R + 6);
+  (q4_step<M, GN, C, R, E>(row, w, x, k0, part), ...);
 }
 
 // Rows [0, M) of x [M, k] against column groups [g0, g0 + GN): y[r, 16 g + c]. The groups'
@@ -274,10 +276,11 @@ TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
       }
       q8_pairs<M, GN, C, 8>(w, g0, b, x, k0, part, std::make_integer_sequence<int, 8>{});
     } else {
-      q4_row<M, GN, C, 0>(w, g0, b, x, k0, part);
-      q4_row<M, GN, C, 1>(w, g0, b, x, k0, part);
-      q4_row<M, GN, C, 2>(w, g0, b, x, k0, part);
-      q4_row<M, GN, C, 3>(w, g0, b, x, k0, part);
+      constexpr auto pairs = std::make_integer_sequence<int, 4>{};
+      q4_row<M, GN, C, 0>(w, g0, b, x, k0, part, pairs);
+      q4_row<M, GN, C, 1>(w, g0, b, x, k0, part, pairs);
+      q4_row<M, GN, C, 2>(w, g0, b, x, k0, part, pairs);
+      q4_row<M, GN, C, 3>(w, g0, b, x, k0, part, pairs);
     }
     gather_sums(part);
     if (!eight_bit(w.qtype) && std::is_same<T, at::BFloat16>::value) {
