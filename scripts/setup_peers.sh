@@ -53,8 +53,10 @@ setup_llamacpp() {
     tar -xzf "$tmp"/llama_cpp_python-"$LLAMACPP_VERSION".tar.gz -C "$tmp"
     local src="$tmp/llama_cpp_python-$LLAMACPP_VERSION/vendor/llama.cpp"
     local model out
-    model=$(.venv/bin/python -c \
-        "from tokenmill.protocol.default_model import resolve_model; print(resolve_model(None))")
+    # The default model's de-quantized HF folder (its name; LLM() with no model runs the
+    # shipped Q4_1 file, whose folder holds no weights for the converter to read).
+    model=$(.venv/bin/python -c "from tokenmill.protocol.default_model import DEFAULT_MODEL, \
+resolve_model; print(resolve_model(DEFAULT_MODEL))")
     out="${TOKENMILL_CACHE:-$HOME/.cache/tokenmill}/gguf"
     mkdir -p "$out"
     for type in f32 bf16; do
