@@ -149,198 +149,158 @@ TOKENMILL_BF16_TARGET inline __m512i q8_pair(const uint8_t* row) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// s[r][j] += pair j's products with row r's x at k0, k0 + 1 (x bf16: one dot product;
-// fp32: each pair's two halves as fp32, each times its k's x; Offset: the values are 4-bit
-// ones' 128 + q, which fp32 takes back to q exactly before it multiplies).
-template <int M, int GN, bool Offset = false, typename T>
-TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M][GN], const __m512i (&v)[GN],
-                                           const T* x, int64_t k, int64_t k0) {
+// s[r] += the pair's products with row r's x at k0, k0 + 1 (x bf16: one dot product; fp32:
+// the pair's two halves as fp32, each times its k's x; Offset: the values are 4-bit ones'
+// 128 + q, which fp32 takes back to q exactly before it multiplies).
+template <int M, bool Offset = false, typename T>
+TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M], __m512i v, const T* x, int64_t k,
+                                           int64_t k0) {
   if constexpr (std::is_same<T, at::BFloat16>::value) {
     for (int r = 0; r < M; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * k + k0, sizeof pair);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < GN; ++j) s[r][j] = _mm512_dpbf16_ps(s[r][j], (__m512bh)v[j], xv);
+      s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)v, (__m512bh)_mm512_set1_epi32(pair));
     }
   } else {
-    for (int j = 0; j < GN; ++j) {
-      __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v[j], 16));
-      __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v[j], _mm512_set1_epi32(0xFFFF0000)));
-      if constexpr (Offset) {
-        even = _mm512_sub_ps(even, _mm512_set1_ps(128.f));
-        odd = _mm512_sub_ps(odd, _mm512_set1_ps(128.f));
-      }
-      for (int r = 0; r < M; ++r) {
-        s[r][j] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * k + k0]), s[r][j]);
-        s[r][j] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * k + k0 + 1]), s[r][j]);
-      }
+    __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000)));
+    if constexpr (Offset) {
+      even = _mm512_sub_ps(even, _mm512_set1_ps(128.f));
+      odd = _mm512_sub_ps(odd, _mm512_set1_ps(128.f));
+    }
+    for (int r = 0; r < M; ++r) {
+      s[r] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * k + k0]), s[r]);
+      s[r] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * k + k0 + 1]), s[r]);
     }
   }
 }
 
 // The C partial sums cleared; added into part[0].
-template <int C, int M, int GN>
-TOKENMILL_BF16_TARGET inline void clear_sums(__m512 (&part)[C][M][GN]) {
+template <int C, int M>
+TOKENMILL_BF16_TARGET inline void clear_sums(__m512 (&part)[C][M]) {
   for (int c = 0; c < C; ++c) {
-    for (int r = 0; r < M; ++r) {
-      for (int j = 0; j < GN; ++j) part[c][r][j] = _mm512_setzero_ps();
-    }
+    for (int r = 0; r < M; ++r) part[c][r] = _mm512_setzero_ps();
   }
 }
-template <int C, int M, int GN>
-TOKENMILL_BF16_TARGET inline void gather_sums(__m512 (&part)[C][M][GN]) {
+template <int C, int M>
+TOKENMILL_BF16_TARGET inline void gather_sums(__m512 (&part)[C][M]) {
   for (int c = 1; c < C; ++c) {
-    for (int r = 0; r < M; ++r) {
-      for (int j = 0; j < GN; ++j) part[0][r][j] = _mm512_add_ps(part[0][r][j], part[c][r][j]);
-    }
+    for (int r = 0; r < M; ++r) part[0][r] = _mm512_add_ps(part[0][r], part[c][r]);
   }
 }
 
 // Pair P of a Q8 group block into the partial sums part[P % C] (the index known at compile
 // time: the sums stay in registers).
-template <int M, int GN, int C, int P, typename T>
-TOKENMILL_BF16_TARGET inline void q8_step(const Weight& w, int64_t g0, int64_t b, const T* x,
-                                          int64_t k0, __m512 (&part)[C][M][GN]) {
-  __m512i v[GN];
-  for (int j = 0; j < GN; ++j) v[j] = q8_pair(w.group_block(g0 + j, b) + P * 32);
-  pair_dot<M, GN>(part[P % C], v, x, w.k, k0 + 2 * P);
+template <int M, int C, int P, typename T>
+TOKENMILL_BF16_TARGET inline void q8_step(const uint8_t* gb, const T* x, int64_t k, int64_t k0,
+                                          __m512 (&part)[C][M]) {
+  pair_dot<M>(part[P % C], q8_pair(gb + P * 32), x, k, k0 + 2 * P);
 }
 // Pairs Offset + P... of a Q8 group block.
-template <int M, int GN, int C, int Offset, typename T, int... P>
-TOKENMILL_BF16_TARGET inline void q8_pairs(const Weight& w, int64_t g0, int64_t b, const T* x,
-                                           int64_t k0, __m512 (&part)[C][M][GN],
+template <int M, int C, int Offset, typename T, int... P>
+TOKENMILL_BF16_TARGET inline void q8_pairs(const uint8_t* gb, const T* x, int64_t k, int64_t k0,
+                                           __m512 (&part)[C][M],
                                            std::integer_sequence<int, P...>) {
-  (q8_step<M, GN, C, Offset + P>(w, g0, b, x, k0, part), ...);
+  (q8_step<M, C, Offset + P>(gb, x, k, k0, part), ...);
 }
 
-// Pair 4R + E of a Q4 group block (its row R already loaded) into part[(4R + E) % C].
-template <int M, int GN, int C, int R, int E, typename T>
-TOKENMILL_BF16_TARGET inline void q4_step(const __m512i (&row)[GN], const Weight& w,
-                                          const T* x, int64_t k0, __m512 (&part)[C][M][GN]) {
-  __m512i v[GN];
-  for (int j = 0; j < GN; ++j) v[j] = q4_pair<E>(row[j]);
-  pair_dot<M, GN, true>(part[(4 * R + E) % C], v, x, w.k, k0 + 8 * R + 2 * E);
-}
-// Row R of a Q4 group block: pairs 4R to 4R + 3.
-template <int M, int GN, int C, int R, typename T, int... E>
-TOKENMILL_BF16_TARGET inline void q4_row(const Weight& w, int64_t g0, int64_t b, const T* x,
-                                         int64_t k0, __m512 (&part)[C][M][GN],
-                                         std::integer_sequence<int, E...>) {
-  __m512i row[GN];
-  for (int j = 0; j < GN; ++j) row[j] = _mm512_loadu_si512(w.group_block(g0 + j, b) + R * 64);
-  (q4_step<M, GN, C, R, E>(row, w, x, k0, part), ...);
+// Row R of a Q4 group block: pairs 4R to 4R + 3, into part[(4R + E) % C].
+template <int M, int C, int R, typename T, int... E>
+TOKENMILL_BF16_TARGET inline void q4_row(const uint8_t* gb, const T* x, int64_t k, int64_t k0,
+                                         __m512 (&part)[C][M], std::integer_sequence<int, E...>) {
+  const __m512i row = _mm512_loadu_si512(gb + R * 64);
+  (pair_dot<M, true>(part[(4 * R + E) % C], q4_pair<E>(row), x, k, k0 + 8 * R + 2 * E), ...);
 }
 
-// Rows [0, M) of x [M, k] against column groups [g0, g0 + GN): y[r, 16 g + c]. The groups'
-// sums are independent chains of dot products, and share each row's broadcast of x. Where
-// rows times groups are fewer than 8, a block's pairs alternate between C partial sums, so
-// that about 8 chains run at once, enough to hide a dot product's latency (one chain waited
-// on it: a one-row product of 36 groups ran at half the speed of one of 192).
-template <int M, int GN, typename T>
-TOKENMILL_BF16_TARGET void gemv_groups(const Weight& w, int64_t g0, const T* x,
-                                       const float* xsum, const float* bias, T* y,
-                                       int64_t y_stride) {
-  constexpr int C = M * GN >= 8 ? 1 : 8 / (M * GN);
+// Rows [0, M) of x [M, k] against column group g: y[r, 16 g + c]. The 16 columns are the 16
+// lanes. Where the rows are fewer than 8, a block's pairs alternate between C partial sums,
+// so that about 8 chains of dot products run at once, enough to hide a dot product's latency.
+// A task reads one group's blocks, one stream of memory: taking 2 or 4 groups a task (their
+// chains sharing each broadcast of x) read 2-4 streams at once and streamed 23-27% slower
+// from DRAM at 1-4 rows (measured over 120 SmolLM2-shaped weights on an AVX512-BF16 EPYC:
+// Q4_1 one row 3.14 against 4.10 ms, four rows 4.37 against 5.17; Q8_0 one row 4.59 against
+// 6.29).
+template <int M, typename T>
+TOKENMILL_BF16_TARGET void gemv_group(const Weight& w, int64_t g, const T* x, const float* xsum,
+                                      const float* bias, T* y, int64_t y_stride) {
+  constexpr int C = M >= 8 ? 1 : 8 / M;
   const int64_t gb_bytes = group_block_bytes(w.qtype);
-  __m512 acc[M][GN];
-  for (int r = 0; r < M; ++r) {
-    for (int j = 0; j < GN; ++j) acc[r][j] = _mm512_setzero_ps();
-  }
-  __m512 part[C][M][GN];
-  __m512(&s)[M][GN] = part[0];
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 part[C][M];
+  __m512(&s)[M] = part[0];
   for (int64_t b = 0; b < w.blocks; ++b) {
     clear_sums(part);
     const int64_t k0 = b * kBlockK;
-    // The blocks kPrefetchBlocks ahead, and their scales (each stream runs in its own pages,
-    // which the hardware prefetchers reach late).
-    for (int j = 0; j < GN; ++j) {
-      const char* ahead = reinterpret_cast<const char*>(w.group_block(g0 + j, b)) +
-                          kPrefetchBlocks * gb_bytes;
-      for (int64_t line = 0; line < gb_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w.scales(w.d, g0 + j, b + kPrefetchBlocks)),
+    const uint8_t* gb = w.group_block(g, b);
+    // The block kPrefetchBlocks ahead, and its scales (each in its own pages, which the
+    // hardware prefetchers reach late).
+    const char* ahead = reinterpret_cast<const char*>(gb) + kPrefetchBlocks * gb_bytes;
+    for (int64_t line = 0; line < gb_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w.scales(w.d, g, b + kPrefetchBlocks)),
+                 _MM_HINT_T0);
+    if (w.m != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(w.scales(w.m, g, b + kPrefetchBlocks)),
                    _MM_HINT_T0);
-      if (w.m != nullptr) {
-        _mm_prefetch(reinterpret_cast<const char*>(w.scales(w.m, g0 + j, b + kPrefetchBlocks)),
-                     _MM_HINT_T0);
-      }
     }
     if (eight_bit(w.qtype)) {
-      q8_pairs<M, GN, C, 0>(w, g0, b, x, k0, part, std::make_integer_sequence<int, 8>{});
+      q8_pairs<M, C, 0>(gb, x, w.k, k0, part, std::make_integer_sequence<int, 8>{});
       if (w.qtype == kQ8_S) {  // k 0-15 done: their scale d, then on with e's
         gather_sums(part);
-        for (int j = 0; j < GN; ++j) {
-          const __m512 dv = load_scales(w, w.d, g0 + j, b);
-          for (int r = 0; r < M; ++r) acc[r][j] = _mm512_fmadd_ps(dv, s[r][j], acc[r][j]);
-        }
+        const __m512 dv = load_scales(w, w.d, g, b);
+        for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(dv, s[r], acc[r]);
         clear_sums(part);
       }
-      q8_pairs<M, GN, C, 8>(w, g0, b, x, k0, part, std::make_integer_sequence<int, 8>{});
+      q8_pairs<M, C, 8>(gb, x, w.k, k0, part, std::make_integer_sequence<int, 8>{});
     } else {
       constexpr auto pairs = std::make_integer_sequence<int, 4>{};
-      q4_row<M, GN, C, 0>(w, g0, b, x, k0, part, pairs);
-      q4_row<M, GN, C, 1>(w, g0, b, x, k0, part, pairs);
-      q4_row<M, GN, C, 2>(w, g0, b, x, k0, part, pairs);
-      q4_row<M, GN, C, 3>(w, g0, b, x, k0, part, pairs);
+      q4_row<M, C, 0>(gb, x, w.k, k0, part, pairs);
+      q4_row<M, C, 1>(gb, x, w.k, k0, part, pairs);
+      q4_row<M, C, 2>(gb, x, w.k, k0, part, pairs);
+      q4_row<M, C, 3>(gb, x, w.k, k0, part, pairs);
     }
     gather_sums(part);
     if (!eight_bit(w.qtype) && std::is_same<T, at::BFloat16>::value) {
       // The sums were of (128 + q) x: less 128 times the sum of x.
       for (int r = 0; r < M; ++r) {
-        const __m512 offset = _mm512_set1_ps(128.f * xsum[r * w.blocks + b]);
-        for (int j = 0; j < GN; ++j) s[r][j] = _mm512_sub_ps(s[r][j], offset);
+        s[r] = _mm512_sub_ps(s[r], _mm512_set1_ps(128.f * xsum[r * w.blocks + b]));
       }
     }
-    for (int j = 0; j < GN; ++j) {
-      const __m512 dv = load_scales(w, w.qtype == kQ8_S ? w.m : w.d, g0 + j, b);
-      if (w.qtype == kQ4_0 || w.qtype == kQ4_Z) {  // d * (sum x q - z * sum x), Q4_0's z 8
-        const __m512 zv =
-            w.qtype == kQ4_0 ? _mm512_set1_ps(8.f) : load_scales(w, w.m, g0 + j, b);
-        for (int r = 0; r < M; ++r) {
-          const __m512 t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xsum[r * w.blocks + b]), s[r][j]);
-          acc[r][j] = _mm512_fmadd_ps(dv, t, acc[r][j]);
-        }
-        continue;
+    const __m512 dv = load_scales(w, w.qtype == kQ8_S ? w.m : w.d, g, b);
+    if (w.qtype == kQ4_0 || w.qtype == kQ4_Z) {  // d * (sum x q - z * sum x), Q4_0's z 8
+      const __m512 zv = w.qtype == kQ4_0 ? _mm512_set1_ps(8.f) : load_scales(w, w.m, g, b);
+      for (int r = 0; r < M; ++r) {
+        const __m512 t = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xsum[r * w.blocks + b]), s[r]);
+        acc[r] = _mm512_fmadd_ps(dv, t, acc[r]);
       }
-      for (int r = 0; r < M; ++r) acc[r][j] = _mm512_fmadd_ps(dv, s[r][j], acc[r][j]);
-      if (adds_minimum(w.qtype)) {
-        const __m512 mv = load_scales(w, w.m, g0 + j, b);
-        for (int r = 0; r < M; ++r) {
-          acc[r][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * w.blocks + b]), acc[r][j]);
-        }
+      continue;
+    }
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(dv, s[r], acc[r]);
+    if (adds_minimum(w.qtype)) {
+      const __m512 mv = load_scales(w, w.m, g, b);
+      for (int r = 0; r < M; ++r) {
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * w.blocks + b]), acc[r]);
       }
     }
   }
   for (int r = 0; r < M; ++r) {
-    for (int j = 0; j < GN; ++j) {
-      const int64_t col = (g0 + j) * kGroup;
-      __m512 v = acc[r][j];
-      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
-      T* dst = y + r * y_stride + col;
-      if constexpr (std::is_same<T, at::BFloat16>::value) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
-      } else {
-        _mm512_storeu_ps(dst, v);
-      }
+    const int64_t col = g * kGroup;
+    __m512 v = acc[r];
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
+    T* dst = y + r * y_stride + col;
+    if constexpr (std::is_same<T, at::BFloat16>::value) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+    } else {
+      _mm512_storeu_ps(dst, v);
     }
   }
 }
 
+// Up to 8 rows: a task per group of 16 columns.
 template <int M, typename T>
 void gemv_rows(const Weight& w, const T* x, const float* xsum, const float* bias, T* y) {
-  const int64_t groups = w.n / kGroup;
-  // Groups taken 4 (one row, at least 64 groups) or 2 (up to 4 rows) at a time where they
-  // divide evenly: enough tasks for the threads to share them evenly. From 5 rows one group
-  // at a time (the rows' sums take the registers).
-  constexpr int kWide = M == 1 ? 4 : M <= 4 ? 2 : 1;
-  const int64_t gn = groups % kWide == 0 && groups >= 16 * kWide ? kWide : 1;
-  at::parallel_for(0, groups / gn, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (gn == kWide) {
-        gemv_groups<M, kWide>(w, t * kWide, x, xsum, bias, y, w.n);
-      } else {
-        gemv_groups<M, 1>(w, t, x, xsum, bias, y, w.n);
-      }
-    }
+  at::parallel_for(0, w.n / kGroup, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) gemv_group<M>(w, g, x, xsum, bias, y, w.n);
   });
 }
 
@@ -348,7 +308,7 @@ void gemv_rows(const Weight& w, const T* x, const float* xsum, const float* bias
 template <int M, typename T>
 void gemv_chunk(const Weight& w, int64_t g, const T* x, int64_t r0, const float* xsum,
                 const float* bias, T* y) {
-  gemv_groups<M, 1>(w, g, x + r0 * w.k, xsum + r0 * w.blocks, bias, y + r0 * w.n, w.n);
+  gemv_group<M>(w, g, x + r0 * w.k, xsum + r0 * w.blocks, bias, y + r0 * w.n, w.n);
 }
 
 // More than 8 rows: a task per group of 16 columns, its rows 8 at a time while the group's
