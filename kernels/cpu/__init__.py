@@ -61,6 +61,11 @@ def load(cache_dir: Path) -> bool:
     return _LOADED
 
 
+def loaded() -> bool:
+    """Whether this process has loaded the library (load() succeeded)."""
+    return bool(_LOADED)
+
+
 def _build(folder: Path) -> None:
     from torch.utils.cpp_extension import load as load_extension
 

@@ -132,8 +132,17 @@ def test_q4_z_dequantizes_as_scale_times_q_minus_zero() -> None:
 def test_packed_rows_equal_the_dequantized_rows(qtype: int) -> None:
     raw = random_blocks(qtype, 128, 96, seed=11 + qtype)
     ids = torch.tensor([0, 5, 17, 127, 64, 5, 33])
-    got = G.repack(raw, qtype).rows(ids)
-    assert torch.equal(got, G.dequantize(raw, qtype)[ids])
+    assert torch.equal(G.repack(raw, qtype).rows_native(ids), G.dequantize(raw, qtype)[ids])
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: G.NAMES[t])
+def test_gguf_rows_kernel_equals_the_dequantized_rows(qtype: int, kernels) -> None:
+    raw = random_blocks(qtype, 128, 96, seed=11 + qtype)
+    packed = G.repack(raw, qtype)
+    ids = torch.tensor([0, 5, 17, 127, 64, 5, 33])
+    assert torch.equal(packed.rows(ids), G.dequantize(raw, qtype)[ids])
+    with pytest.raises(RuntimeError, match=r"gguf_rows: id 128 is outside \[0, 128\)"):
+        packed.rows(torch.tensor([128]))
 
 
 def test_repack_refuses_shapes_the_kernels_do_not_take() -> None:

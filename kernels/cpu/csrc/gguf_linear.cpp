@@ -149,16 +149,19 @@ TOKENMILL_BF16_TARGET inline __m512i q8_pair(const uint8_t* row) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// s[r] += the pair's products with row r's x at k0, k0 + 1 (x bf16: one dot product; fp32:
-// the pair's two halves as fp32, each times its k's x; Offset: the values are 4-bit ones'
-// 128 + q, which fp32 takes back to q exactly before it multiplies).
+// s[r] += the pair's products with row r's x at j, j + 1 of the block (xr[r]: row r's x at
+// the block's first k; x bf16: one dot product; fp32: the pair's two halves as fp32, each
+// times its k's x; Offset: the values are 4-bit ones' 128 + q, which fp32 takes back to q
+// exactly before it multiplies). The rows' addresses are computed once a block: computed
+// from x, k and the pair's k at each use, at 8 rows they took the registers and spilled
+// (1.35x slower).
 template <int M, bool Offset = false, typename T>
-TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M], __m512i v, const T* x, int64_t k,
-                                           int64_t k0) {
+TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M], __m512i v, const T* const (&xr)[M],
+                                           int j) {
   if constexpr (std::is_same<T, at::BFloat16>::value) {
     for (int r = 0; r < M; ++r) {
       int32_t pair;
-      std::memcpy(&pair, x + r * k + k0, sizeof pair);
+      std::memcpy(&pair, xr[r] + j, sizeof pair);
       s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)v, (__m512bh)_mm512_set1_epi32(pair));
     }
   } else {
@@ -169,8 +172,8 @@ TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M], __m512i v, const T* x
       odd = _mm512_sub_ps(odd, _mm512_set1_ps(128.f));
     }
     for (int r = 0; r < M; ++r) {
-      s[r] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * k + k0]), s[r]);
-      s[r] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * k + k0 + 1]), s[r]);
+      s[r] = _mm512_fmadd_ps(even, _mm512_set1_ps(xr[r][j]), s[r]);
+      s[r] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xr[r][j + 1]), s[r]);
     }
   }
 }
@@ -192,24 +195,24 @@ TOKENMILL_BF16_TARGET inline void gather_sums(__m512 (&part)[C][M]) {
 // Pair P of a Q8 group block into the partial sums part[P % C] (the index known at compile
 // time: the sums stay in registers).
 template <int M, int C, int P, typename T>
-TOKENMILL_BF16_TARGET inline void q8_step(const uint8_t* gb, const T* x, int64_t k, int64_t k0,
+TOKENMILL_BF16_TARGET inline void q8_step(const uint8_t* gb, const T* const (&xr)[M],
                                           __m512 (&part)[C][M]) {
-  pair_dot<M>(part[P % C], q8_pair(gb + P * 32), x, k, k0 + 2 * P);
+  pair_dot<M>(part[P % C], q8_pair(gb + P * 32), xr, 2 * P);
 }
 // Pairs Offset + P... of a Q8 group block.
 template <int M, int C, int Offset, typename T, int... P>
-TOKENMILL_BF16_TARGET inline void q8_pairs(const uint8_t* gb, const T* x, int64_t k, int64_t k0,
+TOKENMILL_BF16_TARGET inline void q8_pairs(const uint8_t* gb, const T* const (&xr)[M],
                                            __m512 (&part)[C][M],
                                            std::integer_sequence<int, P...>) {
-  (q8_step<M, C, Offset + P>(gb, x, k, k0, part), ...);
+  (q8_step<M, C, Offset + P>(gb, xr, part), ...);
 }
 
 // Row R of a Q4 group block: pairs 4R to 4R + 3, into part[(4R + E) % C].
 template <int M, int C, int R, typename T, int... E>
-TOKENMILL_BF16_TARGET inline void q4_row(const uint8_t* gb, const T* x, int64_t k, int64_t k0,
+TOKENMILL_BF16_TARGET inline void q4_row(const uint8_t* gb, const T* const (&xr)[M],
                                          __m512 (&part)[C][M], std::integer_sequence<int, E...>) {
   const __m512i row = _mm512_loadu_si512(gb + R * 64);
-  (pair_dot<M, true>(part[(4 * R + E) % C], q4_pair<E>(row), x, k, k0 + 8 * R + 2 * E), ...);
+  (pair_dot<M, true>(part[(4 * R + E) % C], q4_pair<E>(row), xr, 8 * R + 2 * E), ...);
 }
 
 // Rows [0, M) of x [M, k] against column group g: y[r, 16 g + c]. The 16 columns are the 16
@@ -231,7 +234,8 @@ TOKENMILL_BF16_TARGET void gemv_group(const Weight& w, int64_t g, const T* x, co
   __m512(&s)[M] = part[0];
   for (int64_t b = 0; b < w.blocks; ++b) {
     clear_sums(part);
-    const int64_t k0 = b * kBlockK;
+    const T* xr[M];  // the rows' x at this block
+    for (int r = 0; r < M; ++r) xr[r] = x + r * w.k + b * kBlockK;
     const uint8_t* gb = w.group_block(g, b);
     // The block kPrefetchBlocks ahead, and its scales (each in its own pages, which the
     // hardware prefetchers reach late).
@@ -244,20 +248,20 @@ TOKENMILL_BF16_TARGET void gemv_group(const Weight& w, int64_t g, const T* x, co
                    _MM_HINT_T0);
     }
     if (eight_bit(w.qtype)) {
-      q8_pairs<M, C, 0>(gb, x, w.k, k0, part, std::make_integer_sequence<int, 8>{});
+      q8_pairs<M, C, 0>(gb, xr, part, std::make_integer_sequence<int, 8>{});
       if (w.qtype == kQ8_S) {  // k 0-15 done: their scale d, then on with e's
         gather_sums(part);
         const __m512 dv = load_scales(w, w.d, g, b);
         for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(dv, s[r], acc[r]);
         clear_sums(part);
       }
-      q8_pairs<M, C, 8>(gb, x, w.k, k0, part, std::make_integer_sequence<int, 8>{});
+      q8_pairs<M, C, 8>(gb, xr, part, std::make_integer_sequence<int, 8>{});
     } else {
       constexpr auto pairs = std::make_integer_sequence<int, 4>{};
-      q4_row<M, C, 0>(gb, x, w.k, k0, part, pairs);
-      q4_row<M, C, 1>(gb, x, w.k, k0, part, pairs);
-      q4_row<M, C, 2>(gb, x, w.k, k0, part, pairs);
-      q4_row<M, C, 3>(gb, x, w.k, k0, part, pairs);
+      q4_row<M, C, 0>(gb, xr, part, pairs);
+      q4_row<M, C, 1>(gb, xr, part, pairs);
+      q4_row<M, C, 2>(gb, xr, part, pairs);
+      q4_row<M, C, 3>(gb, xr, part, pairs);
     }
     gather_sums(part);
     if (!eight_bit(w.qtype) && std::is_same<T, at::BFloat16>::value) {
@@ -520,33 +524,45 @@ void dequantize_then_multiply(const Weight& w, const T* x, int64_t m, const floa
 
 }  // namespace
 
-at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
-                       const c10::optional<at::Tensor>& m_in, int64_t qtype,
-                       const c10::optional<at::Tensor>& bias_in) {
+namespace {
+
+// The weight's tensors checked against the layout above (`op` names the caller in errors).
+Weight checked_weight(const char* op, const at::Tensor& qs, const at::Tensor& d,
+                      const c10::optional<at::Tensor>& m_in, int64_t qtype) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_Z ||
                   qtype == kQ4_F || qtype == kQ8_F || qtype == kQ8_S,
-              "gguf_linear: qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_Z (1000), Q4_F "
+              op, ": qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_Z (1000), Q4_F "
               "(1001), Q8_F (1002) or Q8_S (1003), got ", qtype);
   TORCH_CHECK(qs.dim() == 4 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
                   qs.size(2) == (eight_bit(qtype) ? 16 : 4) &&
                   qs.size(3) == (eight_bit(qtype) ? 32 : 64),
-              "gguf_linear: qs must be a contiguous uint8 [N / 16, K / 32, 16, 32] (8-bit) or "
+              op, ": qs must be a contiguous uint8 [N / 16, K / 32, 16, 32] (8-bit) or "
               "[N / 16, K / 32, 4, 64] (4-bit), got ", qs.sizes());
   const int64_t groups = qs.size(0), blocks = qs.size(1);
   const auto scale_type = fp32_fields(qtype) ? at::kFloat : at::kHalf;
   TORCH_CHECK(d.scalar_type() == scale_type && d.is_contiguous() &&
                   d.sizes() == at::IntArrayRef({groups, blocks, kGroup}),
-              "gguf_linear: d must be ", scale_type, " [N / 16, K / 32, 16], got ", d.sizes(),
+              op, ": d must be ", scale_type, " [N / 16, K / 32, 16], got ", d.sizes(),
               " ", d.scalar_type());
   const bool has_m = m_in.has_value() && m_in->defined();
   TORCH_CHECK(has_m == (qtype != kQ4_0 && qtype != kQ8_0),
-              "gguf_linear: every type but Q4_0 and Q8_0 takes m");
+              op, ": every type but Q4_0 and Q8_0 takes m");
   if (has_m) {
     TORCH_CHECK(m_in->scalar_type() == scale_type && m_in->is_contiguous() &&
                     m_in->sizes() == d.sizes(),
-                "gguf_linear: m must be shaped and typed as d");
+                op, ": m must be shaped and typed as d");
   }
-  const int64_t n = groups * kGroup, k = blocks * kBlockK;
+  return Weight{qs.data_ptr<uint8_t>(), d.data_ptr(), has_m ? m_in->data_ptr() : nullptr, qtype,
+                groups * kGroup, blocks * kBlockK, blocks};
+}
+
+}  // namespace
+
+at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                       const c10::optional<at::Tensor>& m_in, int64_t qtype,
+                       const c10::optional<at::Tensor>& bias_in) {
+  const Weight w = checked_weight("gguf_linear", qs, d, m_in, qtype);
+  const int64_t n = w.n, k = w.k;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "gguf_linear: x must be [M, ", k, "], got ",
               x_in.sizes());
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
@@ -562,8 +578,6 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t rows = x.size(0);
   if (rows == 0) return at::empty({0, n}, x.options());
-  const Weight w{qs.data_ptr<uint8_t>(), d.data_ptr(), has_m ? m_in->data_ptr() : nullptr,
-                 qtype, n, k, blocks};
   TORCH_CHECK(n % kColumnBlock == 0, "gguf_linear: N=", n, " is not a multiple of ",
               kColumnBlock);
   if (rows > kRowBlock) {
@@ -600,7 +614,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   if (cpu_isa() >= 2 && (rows <= kFewRows || (rows <= kDotRows && cpu_isa() < 3))) {
     // A minimum, a zero point or 4-bit values' offset meets each block's sum of x (a plain
     // loop: torch ops here cost more than the product at one row).
-    std::vector<float> xsum(eight_bit(qtype) && !adds_minimum(qtype) ? 0 : rows * blocks);
+    std::vector<float> xsum(eight_bit(qtype) && !adds_minimum(qtype) ? 0 : rows * w.blocks);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const at::BFloat16* xb = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
     const float* xf = bf16 ? nullptr : x.data_ptr<float>();
@@ -624,6 +638,35 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
     dequantize_then_multiply(w, x.data_ptr<float>(), rows, bp, y.data_ptr<float>());
   }
   return y;
+}
+
+at::Tensor gguf_rows(const at::Tensor& qs, const at::Tensor& d,
+                     const c10::optional<at::Tensor>& m_in, int64_t qtype,
+                     const at::Tensor& ids_in) {
+  const Weight w = checked_weight("gguf_rows", qs, d, m_in, qtype);
+  TORCH_CHECK(ids_in.dim() == 1, "gguf_rows: ids must be [T], got ", ids_in.sizes());
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t t = ids.size(0);
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < w.n, "gguf_rows: id ", id[i], " is outside [0, ", w.n, ")");
+  }
+  at::Tensor out = at::empty({t, w.k}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t g = id[i] / kGroup, c = id[i] % kGroup;
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* gb = w.group_block(g, b);
+      const float scale = w.scale(w.d, g, b, c);
+      const float m = w.m != nullptr ? w.scale(w.m, g, b, c) : 0.f;
+      for (int64_t p = 0; p < 16; ++p) {
+        for (int64_t e = 0; e < 2; ++e) {
+          o[i * w.k + b * kBlockK + 2 * p + e] = weight_value(qtype, gb, scale, m, p, c, e);
+        }
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace tokenmill

@@ -29,6 +29,10 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const c10::optional<at::Tensor>& m, int64_t qtype,
                        const c10::optional<at::Tensor>& bias);
+// The fp32 rows `ids` [T] of such a weight, [T, K], as GGUF de-quantizes them (a tied
+// embedding's lookup in its LM head's blocks).
+at::Tensor gguf_rows(const at::Tensor& qs, const at::Tensor& d,
+                     const c10::optional<at::Tensor>& m, int64_t qtype, const at::Tensor& ids);
 
 // int8_linear.cpp: W8A8, x @ W^T (+ bias) with x quantized per row to int8 in the call and W
 // per output column at load (kernels/cpu/int8.py) into qweight, scales and colsum.

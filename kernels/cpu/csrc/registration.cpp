@@ -11,6 +11,7 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("linear_silu_mul(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, int qtype, Tensor? bias) -> Tensor");
+  m.def("gguf_rows(Tensor qs, Tensor d, Tensor? m, int qtype, Tensor ids) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor colsum, Tensor? bias) -> Tensor");
   m.def(
       "int8_linear_silu_mul(Tensor x, Tensor qweight, Tensor scales, Tensor colsum, Tensor? bias) "
@@ -37,6 +38,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("linear", &tokenmill::linear);
   m.impl("linear_silu_mul", &tokenmill::linear_silu_mul);
   m.impl("gguf_linear", &tokenmill::gguf_linear);
+  m.impl("gguf_rows", &tokenmill::gguf_rows);
   m.impl("int8_linear", &tokenmill::int8_linear);
   m.impl("int8_linear_silu_mul", &tokenmill::int8_linear_silu_mul);
   m.impl("rms_norm", &tokenmill::rms_norm);
