@@ -242,9 +242,10 @@ class PackedGGUF:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 rows `ids` [T] of the weight, [T, K], as `dequantize` gives them (a tied
-        embedding's lookup in its LM head's blocks): the kernel's loop where the kernels are
-        loaded (the torch ops below cost ~0.2 ms a decode step at one token), else those."""
-        if cpu.loaded():
+        embedding's lookup in its LM head's blocks): the kernel's loop on the CPU where the
+        kernels are loaded (the torch ops below cost ~0.2 ms a decode step at one token), else
+        those."""
+        if cpu.loaded() and self.qs.device.type == "cpu":
             return torch.ops.tokenmill.gguf_rows(self.qs, self.d, self.m, self.qtype, ids)
         return self.rows_native(ids)
 
