@@ -27,6 +27,8 @@
 // Many rows (prefills), or a CPU without AVX512-BF16: a block of 64 columns is de-quantized
 // into the layout `linear`'s microkernel reads (the weights' values rounded to x's dtype, as
 // de-quantizing the checkpoint would give them) and multiplied there, for every row.
+// gguf_rows, beside it for the layout's helpers, reads rows of such a weight back as fp32 (a
+// tied embedding's lookup in its LM head's blocks).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -154,7 +156,7 @@ TOKENMILL_BF16_TARGET inline __m512i q8_pair(const uint8_t* row) {
 // times its k's x; Offset: the values are 4-bit ones' 128 + q, which fp32 takes back to q
 // exactly before it multiplies). The rows' addresses are computed once a block: computed
 // from x, k and the pair's k at each use, at 8 rows they took the registers and spilled
-// (1.35x slower).
+// (1.4x slower).
 template <int M, bool Offset = false, typename T>
 TOKENMILL_BF16_TARGET inline void pair_dot(__m512 (&s)[M], __m512i v, const T* const (&xr)[M],
                                            int j) {
