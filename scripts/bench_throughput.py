@@ -431,6 +431,15 @@ def _start_busy() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
+def gguf_tensor_count(path: Path) -> int:
+    """The tensor count in a GGUF file's header (magic, version, then the count as uint64)."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if len(head) < 16 or head[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    return int.from_bytes(head[8:16], "little")
+
+
 def start_peers(
     args: argparse.Namespace,
     workload: Workload,
@@ -456,6 +465,10 @@ def start_peers(
             gguf = Path(args.llamacpp_gguf) if args.llamacpp_gguf else gguf_path(model_path, dtype)
             if not gguf.exists():
                 print(f"llama.cpp: no GGUF file at {gguf}, left out (install: {INSTALL[name]})")
+                continue
+            if gguf_tensor_count(gguf) == 0:
+                print(f"llama.cpp: {gguf} holds no tensors (a failed conversion?), left out "
+                      f"(re-run: {INSTALL[name]})")  # fmt: skip
                 continue
             extra += ["--gguf", str(gguf)]
         own = workload
