@@ -15,7 +15,6 @@ after that step's update: its bitmask needs the grammar's state after that token
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections import deque
@@ -84,10 +83,6 @@ class EngineCore:
             "kv cache": allocated - loaded,
             "scheduler + grammar": time.perf_counter() - allocated,
         }
-        # What start-up made lives as long as the engine: out of the garbage collector's
-        # generations (as vLLM's engine core), whose full collections would walk it each time.
-        gc.collect()
-        gc.freeze()
 
     def _initialize_kv_cache(self, config: EngineConfig) -> KVCacheSizing:
         specs = self.executor.get_kv_cache_specs()

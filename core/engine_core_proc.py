@@ -21,6 +21,7 @@ are stopped, and the process exits.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import queue
@@ -551,6 +552,13 @@ def run_engine_core(
     proc = None
     try:
         proc = EngineCoreProc(config, input_address, output_address, parent_pid, auth_token)
+        if proc.startup_error is None:
+            # What start-up made lives as long as this process: out of the garbage collector's
+            # generations (as vLLM's engine core), whose full collections would walk it each
+            # time. (Only here, in the core's own process: an in-process engine leaves its
+            # user's heap alone.)
+            gc.collect()
+            gc.freeze()
         if on_ready is not None and proc.startup_error is None:
             on_ready(proc)
         proc.run()
