@@ -629,9 +629,9 @@ def main() -> None:
     servers = []  # (label, command) of the servers to launch, in this order
     if args.launch_tokenmill or args.launch_hf or args.launch:
         if args.model_path is None:
-            from tokenmill.protocol.default_model import resolve_model
+            from tokenmill.protocol.default_model import DEFAULT_MODEL, resolve_model
 
-            args.model_path = resolve_model("SmolLM2-135M-Instruct")  # the HF folder
+            args.model_path = resolve_model(DEFAULT_MODEL)  # the HF folder
         if args.tokenizer is None and args.dataset == "random":
             args.tokenizer = args.model_path  # exact prompt lengths for the served model
         if args.launch_tokenmill:

@@ -168,8 +168,8 @@ def test_gguf_linear_equals_dequantize_then_matmul(isa, qtype: int, dtype) -> No
     weight = G.dequantize(raw, qtype)
     packed = G.repack(raw, qtype)
     bias = torch.randn(n)
-    # the few-row loop (1-4; without AMX up to 64, 8 rows at a time and the rest), one and
-    # several row blocks
+    # the few-row loop (1-4; without AMX up to 64, 12 rows at a time, then 8, then the rest),
+    # one and several row blocks
     for m in (1, 3, 4, 6, 8, 16, 21, 64, 65, 300, 512):
         x = torch.randn(m, k).to(dtype)
         got = G.gguf_linear(x, packed, bias.to(dtype))

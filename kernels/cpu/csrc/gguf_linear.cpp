@@ -73,6 +73,9 @@ bool eight_bit(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ8_F || qtype
 bool fp32_fields(int64_t qtype) { return qtype == kQ4_F || qtype == kQ8_F || qtype == kQ8_S; }
 // w = d * q + m (a minimum added per block).
 bool adds_minimum(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ4_F || qtype == kQ8_F; }
+// Whether a block's sum of x takes part in its products (a minimum, a zero point, or 4-bit
+// values' offset meets it).
+bool takes_xsum(int64_t qtype) { return !eight_bit(qtype) || adds_minimum(qtype); }
 
 // Bytes of qs per (group, block).
 int64_t group_block_bytes(int64_t qtype) { return eight_bit(qtype) ? 16 * 32 : 4 * 64; }
@@ -230,9 +233,7 @@ TOKENMILL_BF16_TARGET void gemv_group(const Weight& w, int64_t g, const T* x, co
                                       const float* bias, T* y, int64_t y_stride) {
   constexpr int C = M >= 8 ? 1 : 8 / M;
   const int64_t gb_bytes = group_block_bytes(w.qtype);
-  // Whether the sums of x take part (the caller leaves xsum empty where not), and the 4-bit
-  // values' offset o.
-  const bool xsum_empty = eight_bit(w.qtype) && !adds_minimum(w.qtype);
+  // The 4-bit values' offset o.
   const float offset =
       !eight_bit(w.qtype) && std::is_same<T, at::BFloat16>::value ? 128.f : 0.f;
   __m512 acc[M];
@@ -277,7 +278,7 @@ TOKENMILL_BF16_TARGET void gemv_group(const Weight& w, int64_t g, const T* x, co
     // multiply-adds a row.
     const __m512 dv = load_scales(w, w.qtype == kQ8_S ? w.m : w.d, g, b);
     for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(dv, s[r], acc[r]);
-    if (!xsum_empty) {
+    if (takes_xsum(w.qtype)) {
       __m512 cv = adds_minimum(w.qtype) ? load_scales(w, w.m, g, b) : _mm512_setzero_ps();
       __m512 zv = _mm512_set1_ps(offset);  // o, plus Q4_0's 8 or the zero point
       if (w.qtype == kQ4_0) zv = _mm512_set1_ps(offset + 8.f);
@@ -618,7 +619,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   if (cpu_isa() >= 2 && (rows <= kFewRows || (rows <= kDotRows && cpu_isa() < 3))) {
     // A minimum, a zero point or 4-bit values' offset meets each block's sum of x (a plain
     // loop: torch ops here cost more than the product at one row).
-    std::vector<float> xsum(eight_bit(qtype) && !adds_minimum(qtype) ? 0 : rows * w.blocks);
+    std::vector<float> xsum(takes_xsum(qtype) ? rows * w.blocks : 0);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const at::BFloat16* xb = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
     const float* xf = bf16 ? nullptr : x.data_ptr<float>();
