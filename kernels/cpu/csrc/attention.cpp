@@ -385,21 +385,24 @@ TOKENMILL_ISA_VARIANTS(attend_part, (const float* q, int64_t group, int64_t d,
                        (q, group, d, cache, blocks, block_size, kv_heads, kv_head, first, last,
                         softcap, acc, part))
 
-// A step's rows into their slots; an fp8 cache takes them rounded (saturating at +-448).
+// A step's rows into their slots (token t's key at key + t * stride, its value likewise); an
+// fp8 cache takes them rounded (saturating at +-448).
 template <typename C, typename T>
-void write_rows(C* cache, const T* key, const T* value, const int64_t* slots, int64_t tokens,
-                int64_t block_size, int64_t row) {
+void write_rows(C* cache, const T* key, const T* value, int64_t stride, const int64_t* slots,
+                int64_t tokens, int64_t block_size, int64_t row) {
   at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
       C* k = cache + (block * 2 * block_size + offset) * row;
+      const T* key_t = key + t * stride;
+      const T* value_t = value + t * stride;
       if constexpr (std::is_same<C, T>::value) {
-        std::copy(key + t * row, key + (t + 1) * row, k);
-        std::copy(value + t * row, value + (t + 1) * row, k + block_size * row);
+        std::copy(key_t, key_t + row, k);
+        std::copy(value_t, value_t + row, k + block_size * row);
       } else {
         for (int64_t i = 0; i < row; ++i) {
-          k[i] = from_float<C>(to_float(key[t * row + i]));
-          k[block_size * row + i] = from_float<C>(to_float(value[t * row + i]));
+          k[i] = from_float<C>(to_float(key_t[i]));
+          k[block_size * row + i] = from_float<C>(to_float(value_t[i]));
         }
       }
     }
@@ -407,6 +410,25 @@ void write_rows(C* cache, const T* key, const T* value, const int64_t* slots, in
 }
 
 }  // namespace
+
+template <typename T>
+void kv_cache_write_rows(at::Tensor& kv_cache, const T* key, const T* value, int64_t stride,
+                         const int64_t* slots, int64_t tokens) {
+  const int64_t block_size = kv_cache.size(2), row = kv_cache.size(3) * kv_cache.size(4);
+  if (kv_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    write_rows(kv_cache.data_ptr<at::Float8_e4m3fn>(), key, value, stride, slots, tokens,
+               block_size, row);
+  } else {
+    TORCH_CHECK(kv_cache.scalar_type() == c10::CppTypeToScalarType<T>::value,
+                "kv_cache_write: key/value must be in the cache's dtype (or, for an fp8 cache, "
+                "bf16 or fp32)");
+    write_rows(kv_cache.data_ptr<T>(), key, value, stride, slots, tokens, block_size, row);
+  }
+}
+template void kv_cache_write_rows(at::Tensor&, const at::BFloat16*, const at::BFloat16*, int64_t,
+                                  const int64_t*, int64_t);
+template void kv_cache_write_rows(at::Tensor&, const float*, const float*, int64_t,
+                                  const int64_t*, int64_t);
 
 void kv_cache_write(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
                     const at::Tensor& slots) {
@@ -430,63 +452,42 @@ void kv_cache_write(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
     TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "kv_cache_write: slot ", sp[t],
                 " outside the cache's ", capacity);
   }
-  if (fp8) {
-    auto* cache = kv_cache.data_ptr<at::Float8_e4m3fn>();
-    if (k.scalar_type() == at::kBFloat16) {
-      write_rows(cache, k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), sp, tokens,
-                 block_size, row);
-    } else {
-      write_rows(cache, k.data_ptr<float>(), v.data_ptr<float>(), sp, tokens, block_size, row);
-    }
-  } else if (kv_cache.scalar_type() == at::kBFloat16) {
-    write_rows(kv_cache.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(),
-               v.data_ptr<at::BFloat16>(), sp, tokens, block_size, row);
+  if (k.scalar_type() == at::kBFloat16) {
+    kv_cache_write_rows(kv_cache, k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), row, sp,
+                        tokens);
   } else {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "kv_cache_write: bf16 or fp32 only");
-    write_rows(kv_cache.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), sp, tokens,
-               block_size, row);
+    TORCH_CHECK(k.scalar_type() == at::kFloat, "kv_cache_write: bf16, fp32 or fp8 only");
+    kv_cache_write_rows(kv_cache, k.data_ptr<float>(), v.data_ptr<float>(), row, sp, tokens);
   }
 }
 
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
-                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                            double scale, int64_t window, double softcap) {
-  TORCH_CHECK(query.dim() == 3, "decode_attention: query must be [B, heads, d]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
-              "decode_attention: the cache must be a contiguous [blocks, 2, block_size, "
-              "kv_heads, d]");
-  const int64_t batch = query.size(0), heads = query.size(1), d = query.size(2);
-  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == d && d % 16 == 0 && d <= kMaxHead,
-              "decode_attention: head size ", d, " must match the cache's and be a multiple of "
-              "16 up to ", kMaxHead);
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
-              "decode_attention: ", heads, " query heads do not group over ", kv_heads,
-              " KV heads (at most ", kMaxGroup, " per KV head)");
+void decode_attention_rows(const void* query, int64_t q_stride, at::ScalarType q_type,
+                           const at::Tensor& kv_cache, const int64_t* table, int64_t width,
+                           const int64_t* len, int64_t batch, int64_t heads, double scale,
+                           int64_t window, double softcap, void* out) {
+  const int64_t d = kv_cache.size(4), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() ||
-                  (fp8 && (query.scalar_type() == at::kBFloat16 ||
-                           query.scalar_type() == at::kFloat)),
-              "decode_attention: query and cache dtypes differ (an fp8 cache takes bf16 or "
-              "fp32 queries)");
   const int64_t group = heads / kv_heads;
-  const at::Tensor table = block_table.to(at::kLong).contiguous();
-  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
-  TORCH_CHECK(table.dim() == 2 && table.size(0) >= batch && lens.numel() >= batch,
-              "decode_attention: one block table row and length per request");
-  const int64_t* len = lens.data_ptr<int64_t>();
-  const int64_t width = table.size(1);
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= width * block_size, "decode_attention: request ", b,
-                " has length ", len[b], " for ", width, " blocks of ", block_size);
-  }
   // Queries scaled once, in fp32; on CPUs with bf16 dot products a bf16 query is used as it
   // is (its dots with the keys by vdpbf16ps) and its scores scaled.
   const bool avx512 = cpu_isa() >= 1;
   const bool pairs = kv_cache.scalar_type() == at::kBFloat16 && cpu_isa() >= 2 && d % 32 == 0;
-  const at::Tensor q = pairs ? query.contiguous() : (query.to(at::kFloat) * scale).contiguous();
+  // Otherwise the queries in fp32, scaled (contiguous: row b at b * heads * d).
+  std::vector<float> scaled;
+  if (!pairs) {
+    scaled.resize(batch * heads * d);
+    const float s = static_cast<float>(scale);
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < heads * d; ++i) {
+        const int64_t at = b * q_stride + i;
+        const float x = q_type == at::kBFloat16
+                            ? static_cast<float>(static_cast<const at::BFloat16*>(query)[at])
+                            : static_cast<const float*>(query)[at];
+        scaled[b * heads * d + i] = x * s;
+      }
+    }
+  }
   const float score_scale = pairs ? static_cast<float>(scale) : 1.f;
-  at::Tensor out = at::empty_like(query);
 
   // Enough parts that every thread has work, none shorter than kMinKeysPerPart keys.
   int64_t longest = 0;
@@ -514,7 +515,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       const int64_t first = window > 0 ? std::max<int64_t>(0, len[b] - window) : 0;
       const int64_t span = len[b] - first, per = (span + parts - 1) / parts;
       const int64_t lo = first + part * per, hi = std::min(len[b], lo + per);
-      const int64_t* blocks = table.data_ptr<int64_t>() + b * width;
+      const int64_t* blocks = table + b * width;
       // The sums and stats of (request b, part, head h) at index job * kv_heads + h.
       float* job_acc = acc.data() + job * kv_heads * group * d;
       Part* job_stats = stats.data() + job * kv_heads;
@@ -529,7 +530,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
         continue;
       }
       if (avx512) {
-        const void* qb = static_cast<const char*>(q.data_ptr()) + b * heads * d * q.element_size();
+        const void* qb =
+            pairs ? static_cast<const void*>(static_cast<const at::BFloat16*>(query) + b * q_stride)
+                  : static_cast<const void*>(scaled.data() + b * heads * d);
         if (fp8) {
           attend_heads_avx512(qb, false, kv_heads, group, d,
                               kv_cache.data_ptr<at::Float8_e4m3fn>(), blocks, block_size, lo, hi,
@@ -545,7 +548,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       }
       for (int64_t h = 0; h < kv_heads; ++h) {
         float* a = job_acc + h * group * d;
-        const float* qh = q.data_ptr<float>() + (b * heads + h * group) * d;
+        const float* qh = scaled.data() + (b * heads + h * group) * d;
         if (fp8) {
           attend_part(qh, group, d, kv_cache.data_ptr<at::Float8_e4m3fn>(), blocks, block_size,
                       kv_heads, h, lo, hi, cap, a, job_stats[h]);
@@ -579,16 +582,54 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
           for (int64_t i = 0; i < d; ++i) merged[i] += w * a[i];
         }
         const int64_t offset = (b * heads + h * group + g) * d;
-        if (out.scalar_type() == at::kBFloat16) {
-          auto* o = out.data_ptr<at::BFloat16>() + offset;
+        if (q_type == at::kBFloat16) {
+          auto* o = static_cast<at::BFloat16*>(out) + offset;
           for (int64_t i = 0; i < d; ++i) o[i] = from_float<at::BFloat16>(merged[i] / total);
         } else {
-          float* o = out.data_ptr<float>() + offset;
+          float* o = static_cast<float*>(out) + offset;
           for (int64_t i = 0; i < d; ++i) o[i] = merged[i] / total;
         }
       }
     }
   });
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens,
+                            double scale, int64_t window, double softcap) {
+  TORCH_CHECK(query.dim() == 3, "decode_attention: query must be [B, heads, d]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+              "decode_attention: the cache must be a contiguous [blocks, 2, block_size, "
+              "kv_heads, d]");
+  const int64_t batch = query.size(0), heads = query.size(1), d = query.size(2);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == d && d % 16 == 0 && d <= kMaxHead,
+              "decode_attention: head size ", d, " must match the cache's and be a multiple of "
+              "16 up to ", kMaxHead);
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
+              "decode_attention: ", heads, " query heads do not group over ", kv_heads,
+              " KV heads (at most ", kMaxGroup, " per KV head)");
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() ||
+                  (fp8 && (query.scalar_type() == at::kBFloat16 ||
+                           query.scalar_type() == at::kFloat)),
+              "decode_attention: query and cache dtypes differ (an fp8 cache takes bf16 or "
+              "fp32 queries)");
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(table.dim() == 2 && table.size(0) >= batch && lens.numel() >= batch,
+              "decode_attention: one block table row and length per request");
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t width = table.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= width * block_size, "decode_attention: request ", b,
+                " has length ", len[b], " for ", width, " blocks of ", block_size);
+  }
+  const at::Tensor q = query.contiguous();
+  at::Tensor out = at::empty_like(q);
+  decode_attention_rows(q.data_ptr(), heads * d, q.scalar_type(), kv_cache,
+                        table.data_ptr<int64_t>(), width, len, batch, heads, scale, window,
+                        softcap, out.data_ptr());
   return out;
 }
 

@@ -567,14 +567,29 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
                        const c10::optional<at::Tensor>& m_in, int64_t qtype,
                        const c10::optional<at::Tensor>& bias_in) {
   const Weight w = checked_weight("gguf_linear", qs, d, m_in, qtype);
+  TORCH_CHECK(x_in.dim() == 2, "gguf_linear: x must be [M, ", w.k, "], got ", x_in.sizes());
+  at::Tensor y = at::empty({x_in.size(0), w.n}, x_in.options());
+  gguf_linear_out(x_in, qs, d, m_in, qtype, bias_in, y);
+  return y;
+}
+
+void gguf_linear_out(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                     const c10::optional<at::Tensor>& m_in, int64_t qtype,
+                     const c10::optional<at::Tensor>& bias_in, at::Tensor& y) {
+  const Weight w = checked_weight("gguf_linear", qs, d, m_in, qtype);
   const int64_t n = w.n, k = w.k;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "gguf_linear: x must be [M, ", k, "], got ",
               x_in.sizes());
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
               "gguf_linear: x must be bf16 or fp32, got ", x_in.scalar_type());
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x_in.scalar_type() &&
+                  y.sizes() == at::IntArrayRef({x_in.size(0), n}),
+              "gguf_linear: the output must be a contiguous [", x_in.size(0), ", ", n, "] in x's "
+              "dtype, got ", y.sizes(), " ", y.scalar_type());
   if (x_in.scalar_type() == at::kBFloat16 && cpu_isa() < 1) {
     // No bf16 microkernel below AVX-512: fp32 products of the same values, rounded back.
-    return gguf_linear(x_in.to(at::kFloat), qs, d, m_in, qtype, bias_in).to(at::kBFloat16);
+    y.copy_(gguf_linear(x_in.to(at::kFloat), qs, d, m_in, qtype, bias_in));
+    return;
   }
   const at::Tensor x = x_in.contiguous();
   const at::Tensor bias = bias_in.has_value() && bias_in->defined()
@@ -582,7 +597,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
                               : at::Tensor();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t rows = x.size(0);
-  if (rows == 0) return at::empty({0, n}, x.options());
+  if (rows == 0) return;
   TORCH_CHECK(n % kColumnBlock == 0, "gguf_linear: N=", n, " is not a multiple of ",
               kColumnBlock);
   if (rows > kRowBlock) {
@@ -613,9 +628,9 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
         }
       }
     });
-    return tokenmill::linear(x, packed, bias_in);
+    y.copy_(tokenmill::linear(x, packed, bias_in));
+    return;
   }
-  at::Tensor y = at::empty({rows, n}, x.options());
   if (cpu_isa() >= 2 && (rows <= kFewRows || (rows <= kDotRows && cpu_isa() < 3))) {
     // A minimum, a zero point or 4-bit values' offset meets each block's sum of x (a plain
     // loop: torch ops here cost more than the product at one row).
@@ -635,14 +650,13 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
     } else {
       gemv(w, x.data_ptr<float>(), rows, xsum.data(), bp, y.data_ptr<float>());
     }
-    return y;
+    return;
   }
   if (x.scalar_type() == at::kBFloat16) {
     dequantize_then_multiply(w, x.data_ptr<at::BFloat16>(), rows, bp, y.data_ptr<at::BFloat16>());
   } else {
     dequantize_then_multiply(w, x.data_ptr<float>(), rows, bp, y.data_ptr<float>());
   }
-  return y;
 }
 
 at::Tensor gguf_rows(const at::Tensor& qs, const at::Tensor& d,

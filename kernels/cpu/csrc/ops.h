@@ -29,6 +29,10 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const c10::optional<at::Tensor>& m, int64_t qtype,
                        const c10::optional<at::Tensor>& bias);
+// The same into y ([M, N], contiguous, x's dtype).
+void gguf_linear_out(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                     const c10::optional<at::Tensor>& m, int64_t qtype,
+                     const c10::optional<at::Tensor>& bias, at::Tensor& y);
 // The fp32 rows `ids` [T] of such a weight, [T, K], as GGUF de-quantizes them (a tied
 // embedding's lookup in its LM head's blocks).
 at::Tensor gguf_rows(const at::Tensor& qs, const at::Tensor& d,
@@ -46,6 +50,10 @@ at::Tensor int8_linear_silu_mul(const at::Tensor& x, const at::Tensor& qweight,
 // rms_norm.cpp: RMSNorm of x (after residual += x, in place, when given).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const c10::optional<at::Tensor>& residual);
+// The same on `rows` rows of d values (T bf16 or fp32; residual may be null), into out.
+template <typename T>
+void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t d,
+                   float eps);
 
 // activation.cpp: silu(gate) * up of a [.., 2n] gate/up output; the same over `rows` rows of
 // [gate (n) | up (n)] (the loop linear_silu_mul's tasks run on their blocks).
@@ -56,6 +64,10 @@ void silu_and_mul_rows(const float* x, float* out, int64_t rows, int64_t n);
 // rotary.cpp: queries/keys [T, heads, d] rotated in place by their positions.
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin);
+// The same on raw rows: token t's heads at x + t * row_stride, positions checked by the caller.
+template <typename T>
+void rotary_rows(T* x, int64_t row_stride, const int64_t* positions, int64_t tokens,
+                 int64_t heads, int64_t d, const float* cos, const float* sin);
 
 // attention.cpp: a step's keys/values into the paged cache, and decode attention reading it
 // in place.
@@ -64,6 +76,17 @@ void kv_cache_write(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens,
                             double scale, int64_t window, double softcap);
+// The same two on raw rows, their arguments checked by the caller: token t's key and value at
+// key + t * stride and value + t * stride (T bf16 or fp32); request b's query heads [heads, d]
+// at query + b * q_stride elements of q_type (the cache's dtype, or bf16/fp32 for an fp8
+// cache), its block table row at table + b * width, its length len[b]; out [B, heads, d].
+template <typename T>
+void kv_cache_write_rows(at::Tensor& kv_cache, const T* key, const T* value, int64_t stride,
+                         const int64_t* slots, int64_t tokens);
+void decode_attention_rows(const void* query, int64_t q_stride, at::ScalarType q_type,
+                           const at::Tensor& kv_cache, const int64_t* table, int64_t width,
+                           const int64_t* len, int64_t batch, int64_t heads, double scale,
+                           int64_t window, double softcap, void* out);
 
 // prefill_attention.cpp: the prefilling requests' causal attention over their cached keys and
 // values (earlier context included), written into out.

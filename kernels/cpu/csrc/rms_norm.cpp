@@ -107,6 +107,20 @@ TOKENMILL_ISA_PORTABLE_VARIANTS(norm_rows, (const float* x, float* residual, con
 
 }  // namespace
 
+template <typename T>
+void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t d,
+                   float eps) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    const int64_t at = begin * d;
+    norm_rows(x + at, residual != nullptr ? residual + at : nullptr, weight, out + at,
+              end - begin, d, eps);
+  });
+}
+template void rms_norm_rows(const at::BFloat16*, at::BFloat16*, const at::BFloat16*,
+                            at::BFloat16*, int64_t, int64_t, float);
+template void rms_norm_rows(const float*, float*, const float*, float*, int64_t, int64_t, float);
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const c10::optional<at::Tensor>& residual) {
   const int64_t d = x.size(-1);
@@ -122,20 +136,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
   }
   at::Tensor out = at::empty_like(x);
   const int64_t rows = d == 0 ? 0 : x.numel() / d;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    const int64_t n = end - begin, at = begin * d;
-    if (x.scalar_type() == at::kBFloat16) {
-      norm_rows(x.data_ptr<at::BFloat16>() + at,
-                     add ? residual->data_ptr<at::BFloat16>() + at : nullptr,
-                     weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>() + at, n, d, e);
-    } else {
-      TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm: x must be bf16 or fp32");
-      norm_rows(x.data_ptr<float>() + at, add ? residual->data_ptr<float>() + at : nullptr,
-                    weight.data_ptr<float>(), out.data_ptr<float>() + at, n, d, e);
-    }
-  });
+  if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), add ? residual->data_ptr<at::BFloat16>() : nullptr,
+                  weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, d, e);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm: x must be bf16 or fp32");
+    rms_norm_rows(x.data_ptr<float>(), add ? residual->data_ptr<float>() : nullptr,
+                  weight.data_ptr<float>(), out.data_ptr<float>(), rows, d, e);
+  }
   return out;
 }
 

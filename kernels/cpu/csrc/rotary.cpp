@@ -91,6 +91,20 @@ TOKENMILL_ISA_PORTABLE_VARIANTS(rotate, (float* x, int64_t row_stride, const int
 
 }  // namespace
 
+template <typename T>
+void rotary_rows(T* x, int64_t row_stride, const int64_t* positions, int64_t tokens,
+                 int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * d, 1));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    rotate(x + begin * row_stride, row_stride, positions + begin, end - begin, heads, d, cos,
+           sin);
+  });
+}
+template void rotary_rows(at::BFloat16*, int64_t, const int64_t*, int64_t, int64_t, int64_t,
+                          const float*, const float*);
+template void rotary_rows(float*, int64_t, const int64_t*, int64_t, int64_t, int64_t,
+                          const float*, const float*);
+
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin) {
   // Each token's heads contiguous; tokens may sit further apart (queries and keys viewed
@@ -112,18 +126,14 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tens
     TORCH_CHECK(p[t] >= 0 && p[t] < max_pos, "rotary_embedding: position ", p[t],
                 " outside the table's ", max_pos);
   }
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * d, 1));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
-    const int64_t stride = x.stride(0), offset = begin * stride;
-    if (x.scalar_type() == at::kBFloat16) {
-      rotate(x.data_ptr<at::BFloat16>() + offset, stride, p + begin, end - begin, heads, d,
-                  cos.data_ptr<float>(), sin.data_ptr<float>());
-    } else {
-      TORCH_CHECK(x.scalar_type() == at::kFloat, "rotary_embedding: x must be bf16 or fp32");
-      rotate(x.data_ptr<float>() + offset, stride, p + begin, end - begin, heads, d,
-                 cos.data_ptr<float>(), sin.data_ptr<float>());
-    }
-  });
+  if (x.scalar_type() == at::kBFloat16) {
+    rotary_rows(x.data_ptr<at::BFloat16>(), x.stride(0), p, tokens, heads, d,
+                cos.data_ptr<float>(), sin.data_ptr<float>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rotary_embedding: x must be bf16 or fp32");
+    rotary_rows(x.data_ptr<float>(), x.stride(0), p, tokens, heads, d, cos.data_ptr<float>(),
+                sin.data_ptr<float>());
+  }
 }
 
 }  // namespace tokenmill
