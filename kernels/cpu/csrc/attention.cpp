@@ -40,6 +40,8 @@ namespace {
 
 constexpr int64_t kKeysPerStep = 16;   // scores computed (and the max taken) per pass
 constexpr int64_t kMinKeysPerPart = 64;  // a context is not split finer than this
+// Values of all the parts up to which they are merged without a parallel region.
+constexpr int64_t kSerialMerge = 4096;
 constexpr int64_t kMaxGroup = 16;      // query heads per KV head
 constexpr int64_t kMaxHead = 512;
 // How far a score may pass a head's running reference (its softmax's exponent offset) before
@@ -489,12 +491,15 @@ void decode_attention_rows(const void* query, int64_t q_stride, at::ScalarType q
   }
   const float score_scale = pairs ? static_cast<float>(scale) : 1.f;
 
-  // Enough parts that every thread has work, none shorter than kMinKeysPerPart keys.
+  // Enough parts that every thread has work, none shorter than kMinKeysPerPart keys: a part
+  // per thread where the requests divide the threads evenly (one request: a part each), else
+  // about two jobs per thread, which balance requests of different lengths.
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, len[b]);
   const int64_t threads = at::get_num_threads();
   const int64_t pairs_count = batch * kv_heads;
-  int64_t parts = std::max<int64_t>(1, (2 * threads + batch - 1) / batch);
+  int64_t parts = threads % batch == 0 ? threads / batch
+                                       : std::max<int64_t>(1, (2 * threads + batch - 1) / batch);
   parts = std::min(parts, std::max<int64_t>(1, longest / kMinKeysPerPart));
   std::vector<float> acc(pairs_count * parts * group * d);
   std::vector<Part> stats(pairs_count * parts);
@@ -562,8 +567,10 @@ void decode_attention_rows(const void* query, int64_t q_stride, at::ScalarType q
       }
     }
   });
-  // Merge the parts of each (request, KV head): rescale each to the largest max, add, divide.
-  at::parallel_for(0, pairs_count, 1, [&](int64_t begin, int64_t end) {
+  // Merge the parts of each (request, KV head): rescale each to the largest max, add, divide
+  // (on this thread where that is less work than waking the others: one request's few parts).
+  const int64_t merge_grain = pairs_count * parts * group * d <= kSerialMerge ? pairs_count : 1;
+  at::parallel_for(0, pairs_count, merge_grain, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(d);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / kv_heads, h = pair % kv_heads;
