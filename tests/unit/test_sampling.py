@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, first_arg
+from tokenmill.worker.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_top_k_top_p,
+    first_arg,
+    first_arg_native,
+)
 
 
 @pytest.mark.parametrize(
@@ -151,15 +157,42 @@ def test_min_p_applies_before_top_p_as_in_vllm() -> None:
     assert tokens.unique().tolist() == [0]
 
 
-@pytest.mark.parametrize("vocab", [7, 2048, 49152, 50257])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_first_arg_equals_torch_argmax_and_argmin(vocab: int, dtype: torch.dtype) -> None:
+def _extreme_rows(vocab: int, dtype: torch.dtype) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(33, vocab, generator=g).to(dtype)
     x[0, 0] = x[0, -1] = 50.0  # a tie across the first and the last chunk: the first wins
     x[1, -1] = 50.0  # the maximum in the ragged last chunk
     x[2, 1024:2048] = -50.0  # the minimum fills a whole chunk
+    x[3, vocab // 2] = float("inf")
+    x[4, vocab // 3] = -float("inf")
     ties = torch.randint(0, 3, (8, vocab), generator=g).to(dtype)  # ties everywhere
-    for t in (x, ties):
+    zeros = torch.zeros(2, vocab, dtype=dtype)
+    zeros[0, vocab // 2] = -0.0  # -0 and +0 are equal: the first position wins
+    zeros[1, 0] = -0.0
+    nans = torch.randn(3, vocab, generator=g).to(dtype)
+    nans[0, vocab - 1] = float("nan")  # a NaN is the extreme either way: its first position
+    nans[1, vocab // 2] = nans[1, vocab // 4] = float("nan")
+    nans[2, 0] = float("nan")
+    return [x, ties, zeros, nans]
+
+
+@pytest.mark.parametrize("vocab", [7, 2048, 49152, 50257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_arg_equals_torch_argmax_and_argmin(vocab: int, dtype: torch.dtype) -> None:
+    for t in _extreme_rows(vocab, dtype):
+        assert torch.equal(first_arg_native(t, largest=True), t.argmax(dim=-1))
+        assert torch.equal(first_arg_native(t, largest=False), t.argmin(dim=-1))
         assert torch.equal(first_arg(t, largest=True), t.argmax(dim=-1))
         assert torch.equal(first_arg(t, largest=False), t.argmin(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 49152, 50257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_extreme_kernel_equals_torch_argmax_and_argmin(
+    kernels, isa, vocab: int, dtype: torch.dtype
+) -> None:
+    """csrc/argmax.cpp, which first_arg runs where the kernels are loaded, at each instruction
+    set level this CPU has."""
+    for t in _extreme_rows(vocab, dtype):
+        assert torch.equal(torch.ops.tokenmill.first_extreme(t, True), t.argmax(dim=-1))
+        assert torch.equal(torch.ops.tokenmill.first_extreme(t, False), t.argmin(dim=-1))

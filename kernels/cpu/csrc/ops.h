@@ -61,6 +61,10 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void silu_and_mul_rows(const at::BFloat16* x, at::BFloat16* out, int64_t rows, int64_t n);
 void silu_and_mul_rows(const float* x, float* out, int64_t rows, int64_t n);
 
+// argmax.cpp: per row of x [R, V], the first position of its largest (or smallest) value, a
+// NaN counting as the extreme (torch.argmax / argmin).
+at::Tensor first_extreme(const at::Tensor& x, bool largest);
+
 // rotary.cpp: queries/keys [T, heads, d] rotated in place by their positions.
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin);

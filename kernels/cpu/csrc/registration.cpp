@@ -18,6 +18,7 @@ TORCH_LIBRARY(tokenmill, m) {
       "-> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("first_extreme(Tensor x, bool largest) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("kv_cache_write(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slots) -> ()");
   m.def(
@@ -43,6 +44,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("int8_linear_silu_mul", &tokenmill::int8_linear_silu_mul);
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
+  m.impl("first_extreme", &tokenmill::first_extreme);
   m.impl("rotary_embedding", &tokenmill::rotary_embedding);
   m.impl("kv_cache_write", &tokenmill::kv_cache_write);
   m.impl("decode_attention", &tokenmill::decode_attention);
