@@ -81,7 +81,12 @@ def test_killed_daemon_fails_every_client(tiny_model) -> None:
         threads = [threading.Thread(target=run, args=(c,)) for c in clients]
         for t in threads:
             t.start()
-        time.sleep(1.0)
+        # Killed once both clients' requests are out (900 steps each are still to come),
+        # whatever the machine's speed: a fixed wait let a fast run finish first.
+        deadline = time.monotonic() + PROMPTLY_S
+        while not all(c.llm_engine.has_unfinished_requests() for c in clients):
+            assert time.monotonic() < deadline, "the clients' requests never went out"
+            time.sleep(0.01)
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         for t in threads:
