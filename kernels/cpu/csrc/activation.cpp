@@ -62,6 +62,16 @@ void silu_and_mul_rows(const float* x, float* out, int64_t rows, int64_t n) {
   silu_mul_rows(x, out, rows, n);
 }
 
+template <typename T>
+void silu_and_mul_parallel(const T* x, T* out, int64_t rows, int64_t n) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    silu_mul_rows(x + begin * 2 * n, out + begin * n, end - begin, n);
+  });
+}
+template void silu_and_mul_parallel(const at::BFloat16*, at::BFloat16*, int64_t, int64_t);
+template void silu_and_mul_parallel(const float*, float*, int64_t, int64_t);
+
 at::Tensor silu_and_mul(const at::Tensor& x_in) {
   const int64_t n = x_in.size(-1) / 2;
   TORCH_CHECK(x_in.size(-1) == 2 * n, "silu_and_mul: the last dimension must be even, got ",
@@ -73,16 +83,11 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
   const int64_t rows = n == 0 ? 0 : x.numel() / (2 * n);
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    if (x.scalar_type() == at::kBFloat16) {
-      silu_mul_rows(x.data_ptr<at::BFloat16>() + begin * 2 * n,
-                    out.data_ptr<at::BFloat16>() + begin * n, end - begin, n);
-    } else {
-      silu_mul_rows(x.data_ptr<float>() + begin * 2 * n, out.data_ptr<float>() + begin * n,
-                    end - begin, n);
-    }
-  });
+  if (x.scalar_type() == at::kBFloat16) {
+    silu_and_mul_parallel(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, n);
+  } else {
+    silu_and_mul_parallel(x.data_ptr<float>(), out.data_ptr<float>(), rows, n);
+  }
   return out;
 }
 

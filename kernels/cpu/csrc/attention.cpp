@@ -463,6 +463,14 @@ void kv_cache_write(at::Tensor& kv_cache, const at::Tensor& key, const at::Tenso
   }
 }
 
+void check_decode_heads(const char* op, int64_t heads, int64_t kv_heads, int64_t d) {
+  TORCH_CHECK(d % 16 == 0 && d <= kMaxHead, op, ": head size ", d,
+              " must be a multiple of 16 up to ", kMaxHead);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, op, ": ",
+              heads, " query heads do not group over ", kv_heads, " KV heads (at most ",
+              kMaxGroup, " per KV head)");
+}
+
 void decode_attention_rows(const void* query, int64_t q_stride, at::ScalarType q_type,
                            const at::Tensor& kv_cache, const int64_t* table, int64_t width,
                            const int64_t* len, int64_t batch, int64_t heads, double scale,
@@ -610,12 +618,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "kv_heads, d]");
   const int64_t batch = query.size(0), heads = query.size(1), d = query.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == d && d % 16 == 0 && d <= kMaxHead,
-              "decode_attention: head size ", d, " must match the cache's and be a multiple of "
-              "16 up to ", kMaxHead);
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
-              "decode_attention: ", heads, " query heads do not group over ", kv_heads,
-              " KV heads (at most ", kMaxGroup, " per KV head)");
+  TORCH_CHECK(kv_cache.size(4) == d, "decode_attention: head size ", d, " must match the "
+              "cache's ", kv_cache.size(4));
+  check_decode_heads("decode_attention", heads, kv_heads, d);
   const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() ||
                   (fp8 && (query.scalar_type() == at::kBFloat16 ||

@@ -14,9 +14,7 @@
 // checked per layer: at one request those cost about 10 us a layer, against about 2 for the
 // work), and GGUF products are written into the buffers.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -103,11 +101,7 @@ void run_layers(const at::Tensor& hidden, at::TensorList weights,
       const at::Tensor products = project(normed, 2, 4, bias(2), gate_up_buffer);
       const int64_t n = products.size(1) / 2;
       act = buffer_for(act_buffer, products, batch, n);
-      T* in = ptr(products);
-      T* out = ptr(act);
-      at::parallel_for(0, batch, std::max<int64_t>(1, 16384 / n), [&](int64_t b0, int64_t b1) {
-        silu_and_mul_rows(in + b0 * 2 * n, out + b0 * n, b1 - b0, n);
-      });
+      silu_and_mul_parallel(ptr(products), ptr(act), batch, n);
     }
     x = project(act, 3, 5, c10::nullopt, down_buffer);
     if (const auto b = bias(3); b.has_value()) x = x + *b;
@@ -149,11 +143,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK(first.dim() == 5 && first.size(1) == 2,
               "decode_layers: a cache must be [blocks, 2, block_size, kv_heads, d]");
   const int64_t block_size = first.size(2), head = first.size(4);
-  TORCH_CHECK(first.size(3) == num_kv_heads && num_heads % num_kv_heads == 0 &&
-                  num_heads / num_kv_heads <= 16 && head % 16 == 0 && head <= 512,
-              "decode_layers: ", num_heads, " query heads over ", first.size(3), " KV heads of ",
-              head, " (the call takes up to 16 query heads per KV head, heads of a multiple "
-              "of 16 up to 512)");
+  TORCH_CHECK(first.size(3) == num_kv_heads, "decode_layers: the caches hold ", first.size(3),
+              " KV heads, not ", num_kv_heads);
+  check_decode_heads("decode_layers", num_heads, num_kv_heads, head);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& cache = kv_caches[l];
     TORCH_CHECK(cache.is_contiguous() && cache.sizes() == first.sizes() &&

@@ -60,6 +60,9 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
 at::Tensor silu_and_mul(const at::Tensor& x);
 void silu_and_mul_rows(const at::BFloat16* x, at::BFloat16* out, int64_t rows, int64_t n);
 void silu_and_mul_rows(const float* x, float* out, int64_t rows, int64_t n);
+// The op's work on raw rows, its rows split across the threads.
+template <typename T>
+void silu_and_mul_parallel(const T* x, T* out, int64_t rows, int64_t n);
 
 // argmax.cpp: per row of x [R, V], the first position of its largest (or smallest) value, a
 // NaN counting as the extreme (torch.argmax / argmin).
@@ -87,6 +90,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 template <typename T>
 void kv_cache_write_rows(at::Tensor& kv_cache, const T* key, const T* value, int64_t stride,
                          const int64_t* slots, int64_t tokens);
+// Refuses head counts and sizes decode attention does not take (`op` names the caller).
+void check_decode_heads(const char* op, int64_t heads, int64_t kv_heads, int64_t d);
 void decode_attention_rows(const void* query, int64_t q_stride, at::ScalarType q_type,
                            const at::Tensor& kv_cache, const int64_t* table, int64_t width,
                            const int64_t* len, int64_t batch, int64_t heads, double scale,
