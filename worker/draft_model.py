@@ -25,17 +25,19 @@ import torch
 
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.scheduler_output import KVCacheSpec
-from tokenmill.protocol.utils import cdiv
-from tokenmill.worker.attention.base import StepAttentionInputs, cache_torch_dtype
+from tokenmill.worker.attention.base import AttentionBackend, cache_torch_dtype
+from tokenmill.worker.attention.registry import make_attention_backend
 from tokenmill.worker.forward_context import set_forward_context
-from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.input_batch import InputBatch, RequestState
 from tokenmill.worker.model_loader import get_model
+from tokenmill.worker.proposer import Proposer
 from tokenmill.worker.sampler import first_arg
 from tokenmill.worker.staging import to_device
+from tokenmill.worker.step import TokenLayout, allocate_kv_caches, kv_cache_specs
 
 
-class DraftModel:
-    def __init__(self, config: EngineConfig, device: torch.device, make_backend) -> None:
+class DraftModel(Proposer):
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
         spec = config.speculative_config
         assert spec is not None and spec.draft_model_config is not None
         self.k = spec.num_speculative_tokens
@@ -46,30 +48,37 @@ class DraftModel:
         self.dtype = getattr(torch, self.config.model_config.dtype)
         self.cache_dtype = cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
-        self.backend = make_backend(self.config, device)
+        self.backend = make_attention_backend(self.config, device)
         self.model: torch.nn.Module | None = None
+        # The engine's limits, as the core settles them (allocate).
         self.max_model_len = config.model_config.max_model_len
+        self.max_tokens = config.scheduler_config.max_num_batched_tokens
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, device: torch.device) -> DraftModel:
+        return cls(config, device)
 
     def load(self) -> None:
         self.model = get_model(self.config, self.device, self.backend)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         assert self.model is not None
-        layers = self.model.attention_layers()
-        return [a.kv_cache_spec(self.block_size, self.cache_dtype) for a in layers]
+        return kv_cache_specs(self.model, self.block_size, self.cache_dtype)
 
-    def allocate(self, num_blocks: int, zeroed) -> list[torch.Tensor]:
+    def allocate(self, config: EngineConfig, num_blocks: int) -> list[torch.Tensor]:
         assert self.model is not None
-        self.backend.set_block_bytes(max(s.page_size_bytes for s in self.kv_cache_specs()))
-        caches = []
-        for attn in self.model.attention_layers():
-            shape = self.backend.kv_cache_shape(
-                num_blocks, self.block_size, attn.num_kv_heads, attn.head_size
-            )
-            attn.kv_cache = zeroed(shape, self.cache_dtype, self.device)
-            caches.append(attn.kv_cache)
-        self.max_model_len = self.config.model_config.max_model_len
-        return caches
+        self.max_model_len = config.model_config.max_model_len
+        self.max_tokens = config.scheduler_config.max_num_batched_tokens
+        return allocate_kv_caches(
+            self.model, self.backend, num_blocks, self.block_size, self.cache_dtype, self.device
+        )
+
+    def profiled_models(self) -> list[tuple[torch.nn.Module, AttentionBackend, int]]:
+        assert self.model is not None
+        return [(self.model, self.backend, self.config.model_config.max_position_embeddings)]
+
+    def propose_rows(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
+        return self.propose(batch, rows, self.max_model_len, self.max_tokens)
 
     @torch.inference_mode()
     def propose(
@@ -98,9 +107,9 @@ class DraftModel:
             active = active[num_tokens[active] + step - 1 < limit[active]]
             if not len(active):
                 break
-            positions = num_tokens[active] + step - 1
-            best = self._forward(batch, rows[active], positions, np.ones(len(active), np.int64),
-                                 tokens[active])  # fmt: skip
+            starts = num_tokens[active] + step - 1
+            layout = TokenLayout.of(rows[active], starts, np.ones(len(active), np.int64))
+            best = self._forward(batch, layout, tokens[active])
             tokens[active] = best
             for i, token in zip(active.tolist(), best.tolist()):
                 proposals[out[i]].append(token)
@@ -111,7 +120,7 @@ class DraftModel:
         return proposals
 
     @staticmethod
-    def _written(batch: InputBatch, row: int, state) -> int:
+    def _written(batch: InputBatch, row: int, state: RequestState) -> int:
         """How many of the row's leading positions hold the draft's K/V of its tokens: those
         it computed, and the proposed tokens it wrote after them that were accepted (never
         the last token, which a proposal's first forward reads)."""
@@ -146,44 +155,22 @@ class DraftModel:
             # Decodes first, as the attention backends take them.
             order = np.argsort(query_lens != 1, kind="stable")
             left, query_lens = left[order], query_lens[order]
-            at = rows[left]
-            cu = np.concatenate(([0], np.cumsum(query_lens)))
-            positions = np.arange(int(cu[-1])) - np.repeat(cu[:-1] - start[left], query_lens)
-            ids = batch.token_ids[np.repeat(at, query_lens), positions]
-            best = self._forward(batch, at, positions, query_lens, ids)
+            layout = TokenLayout.of(rows[left], start[left], query_lens)
+            best = self._forward(batch, layout, batch.token_ids[layout.token_rows,
+                                                                layout.positions])  # fmt: skip
             start[left] += query_lens
             ends = start[left] == num_tokens[left]
             first[left[ends]] = best[ends]
 
-    def _forward(
-        self,
-        batch: InputBatch,
-        rows: np.ndarray,
-        positions: np.ndarray,
-        query_lens: np.ndarray,
-        ids: np.ndarray,
-    ) -> np.ndarray:
-        """One draft forward over each row's next query_lens tokens (at `positions`, back to
-        back), writing their K/V; the draft's argmax after each row's last one."""
-        bs = self.block_size
-        cu = np.concatenate(([0], np.cumsum(query_lens)))
-        seq_lens = positions[cu[1:] - 1] + 1
-        token_rows = np.repeat(rows, query_lens)
-        block_table = batch.block_table[rows, : cdiv(int(seq_lens.max()), bs)]
-        slots = batch.block_table[token_rows, positions // bs] * bs + positions % bs
-        inputs = StepAttentionInputs(
-            num_decodes=int(np.count_nonzero(query_lens == 1)),
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_table=block_table,
-            slot_mapping=slots,
-            block_size=bs,
-            device=self.device,
-            dtype=self.dtype,
-        )
+    def _forward(self, batch: InputBatch, layout: TokenLayout, ids: np.ndarray) -> np.ndarray:
+        """One draft forward over the layout's tokens (input ids `ids`), writing their K/V;
+        the draft's argmax after each request's last one."""
+        assert self.model is not None
+        inputs = layout.attention_inputs(batch.block_table, self.block_size, self.device,
+                                         self.dtype)  # fmt: skip
         ids_t = to_device(ids, self.device)
-        positions_t = to_device(positions, self.device)
+        positions_t = to_device(layout.positions, self.device)
         with set_forward_context(self.backend.build_metadata(inputs)):
             hidden = self.model(ids_t, positions_t)
-        last = to_device(cu[1:] - 1, self.device)
+        last = to_device(layout.cu_query[1:] - 1, self.device)
         return first_arg(self.model.compute_logits(hidden[last]), largest=True).cpu().numpy()

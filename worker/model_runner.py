@@ -1,20 +1,20 @@
 """The ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
 
-Per step: update the persistent batch from the diff, lay the scheduled tokens out flat
-(decodes first, then prefill chunks), build input ids, positions, slot mapping and the
-attention metadata, run the model, compute logits only for requests whose prompt is now
-fully computed, and sample. Owns the model, the KV cache tensors and the sampler.
+A step is a pipeline. The host's part, `_prepare`: the persistent batch brought up to date
+from the diff, the scheduled tokens laid out flat (decodes first, then prefill chunks;
+worker/step.py), positions, slots and the attention metadata. The device's part,
+`_run_step`: inputs -> forward -> logits -> sample (or verify proposals) -> logprobs ->
+propose, a method per stage, each timed from outside (StepTimer). Owns the model, the KV
+cache tensors, the sampler and the proposer.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -26,17 +26,26 @@ from tokenmill.protocol.messages import LogprobsArrays
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenmill.protocol.threads import OrderedThread
 from tokenmill.protocol.utils import cdiv
-from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs, cache_torch_dtype
-from tokenmill.worker.attention.registry import backend_class
-from tokenmill.worker.draft_model import DraftModel
+from tokenmill.worker.attention.base import AttentionBackend, cache_torch_dtype
+from tokenmill.worker.attention.registry import make_attention_backend
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.layers.custom_op import layer_kernels
 from tokenmill.worker.model_loader import get_model
-from tokenmill.worker.platform import platform_of, zeroed_tensor
+from tokenmill.worker.platform import platform_of
+from tokenmill.worker.proposer import make_proposer
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
-from tokenmill.worker.spec_decode import NgramProposer, ranks_within, rejection_sample
+from tokenmill.worker.spec_decode import ranks_within, rejection_sample
 from tokenmill.worker.staging import HostStaging, to_device
+from tokenmill.worker.step import (
+    GraphInputs,
+    PreparedStep,
+    PromptLogprobChunk,
+    StepTimer,
+    TokenLayout,
+    allocate_kv_caches,
+    kv_cache_specs,
+)
 
 T = TypeVar("T")
 
@@ -44,6 +53,23 @@ if TYPE_CHECKING:  # imports triton
     from tokenmill.worker.cuda_graph import DecodeGraphs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """What a step's device part reads from the batch before the next step may change it."""
+
+    input_ids: np.ndarray  # [T]
+    metadata: SamplingMetadata | None  # None: no request samples this step
+    logprob_rows: list[int]  # rows of logits whose tokens want logprobs
+    top_logprobs: int  # the most top tokens any of them asks for
+
+
+@dataclass
+class Sampled:
+    token_lists: list[list[int]]  # per sampling request: the tokens it emits
+    tokens_t: torch.Tensor  # per row of logits: the token it emitted
+    logprob_rows: list[int]  # rows of logits that emitted a token wanting logprobs
 
 
 class ModelRunner:
@@ -65,16 +91,7 @@ class ModelRunner:
         self.ids_staging = HostStaging(device, torch.int64)  # the device's part: input tokens
         self.step_timing = envs.TOKENMILL_STEP_TIMING
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
-        spec = config.speculative_config
-        self.proposer: NgramProposer | None = None
-        self.drafter: DraftModel | None = None
-        if spec is not None and spec.method == "draft_model":
-            self.drafter = DraftModel(config, device, make_attention_backend)
-        elif spec is not None:
-            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-            self.proposer = NgramProposer(
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-            )
+        self.proposer = make_proposer(config, device)  # speculative decoding's, if any
         # Called as each step's forward starts (the in-process executor's async scheduling
         # times the core's work to it; see UniProcExecutor).
         self.on_forward: Callable[[], None] | None = None
@@ -88,7 +105,7 @@ class ModelRunner:
         self._device_thread: OrderedThread | None = None
         if self.overlap_steps:
             self._device_thread = OrderedThread("device", self.platform.thread_setup(device))
-        self._in_flight: _Step | None = None
+        self._in_flight: PreparedStep | None = None
 
     def on_device(self, fn: Callable[[], T]) -> T:
         """Runs fn (loading, profiling, allocating the cache) on the device thread when steps
@@ -104,8 +121,8 @@ class ModelRunner:
         start = time.perf_counter()
         with layer_kernels(self.layer_kernels()):
             self.model = get_model(self.config, self.device, self.attn_backend)
-            if self.drafter is not None:
-                self.drafter.load()
+            if self.proposer is not None:
+                self.proposer.load()
         # LongRoPE's (threshold, offset of the long rotary rows), see _rope_positions.
         self.long_rope = getattr(self.model, "long_rope", None)
         self.platform.after_load()
@@ -129,42 +146,29 @@ class ModelRunner:
         return "cpu" if own else "native"
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
-        """Every attention layer's needs: the target's, then the draft model's (whose cache
-        has as many blocks)."""
-        drafts = [] if self.drafter is None else self.drafter.kv_cache_specs()
-        return self._target_kv_cache_specs() + drafts
-
-    def _target_kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Every attention layer's needs: the target's, then the proposer's (whose cache has
+        as many blocks)."""
         assert self.model is not None
-        layers = self.model.attention_layers()
-        return [a.kv_cache_spec(self.block_size, self.cache_dtype) for a in layers]
+        specs = kv_cache_specs(self.model, self.block_size, self.cache_dtype)
+        return specs + ([] if self.proposer is None else self.proposer.kv_cache_specs())
 
     def initialize_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
         """Allocates the cache under the config as the core settled it (its max_model_len
         sizes the persistent batch)."""
         assert self.model is not None
         self.config = config
-        self.attn_backend.set_block_bytes(
-            max(spec.page_size_bytes for spec in self._target_kv_cache_specs())
-        )
-        self.kv_caches = []
-        for attn in self.model.attention_layers():
-            # Zeroed: attention reads whole blocks, including slots not yet written (masked
-            # out, but NaN garbage would survive the masking).
-            shape = self.attn_backend.kv_cache_shape(
-                num_blocks, self.block_size, attn.num_kv_heads, attn.head_size
-            )
-            cache = zeroed_tensor(shape, self.cache_dtype, self.device)
-            attn.kv_cache = cache
-            self.kv_caches.append(cache)
-        if self.drafter is not None:
-            self.kv_caches += self.drafter.allocate(num_blocks, zeroed_tensor)
+        self.kv_caches = allocate_kv_caches(
+            self.model, self.attn_backend, num_blocks, self.block_size, self.cache_dtype,
+            self.device,
+        )  # fmt: skip
+        if self.proposer is not None:
+            self.kv_caches += self.proposer.allocate(config, num_blocks)
         self.platform.commit(self.kv_caches)
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs,
             config.model_config.max_model_len,
             self.block_size,
-            self.config.model_config.vocab_size,
+            config.model_config.vocab_size,
             self.device,
         )
         device_config = config.device_config
@@ -201,10 +205,9 @@ class ModelRunner:
         the device's peak memory includes their activations and scratch: a full token budget
         of prefill, then max_num_seqs decodes with long contexts (the attention backend's
         per-step scratch grows with them), then logits and sampling for max_num_seqs rows.
-        Every attention layer gets a one-block stand-in cache that all slots map to."""
+        A proposer's model runs the same shapes after the target's."""
         assert self.model is not None
         sched = self.config.scheduler_config
-        max_pos = self.config.model_config.max_position_embeddings
         num_tokens = sched.max_num_batched_tokens
         num_decodes = min(sched.max_num_seqs, num_tokens)
         # The Triton backend's decode scratch grows with the context (up to its split limit);
@@ -212,53 +215,47 @@ class ModelRunner:
         context = self.block_size
         if self.use_triton:
             context = min(self.config.model_config.max_model_len, _PROFILE_DECODE_CONTEXT)
-        steps = [
-            ([num_tokens], [num_tokens], 0),  # one long prefill
-            ([1] * num_decodes, [context] * num_decodes, num_decodes),  # decodes only
+        steps = [  # (query lengths, starts)
+            (np.array([num_tokens]), np.array([0])),  # one long prefill
+            (np.ones(num_decodes, dtype=np.int64), np.full(num_decodes, context - 1)),
         ]
-        # A draft model runs the same shapes (its catch-up forwards take at most the token
-        # budget, its proposal steps one token per request), after the target's.
-        models = [(self.model, self.attn_backend, max_pos)]
-        if self.drafter is not None:
-            assert self.drafter.model is not None
-            draft_pos = self.drafter.config.model_config.max_position_embeddings
-            models.append((self.drafter.model, self.drafter.backend, draft_pos))
-        for model, backend, positions in models:
-            layers = model.attention_layers()
-            for attn in layers:
-                attn.kv_cache = torch.zeros(
-                    (1, 2, self.block_size, attn.num_kv_heads, attn.head_size),
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-            try:
-                for query_lens, seq_lens, decodes in steps:
-                    total = sum(query_lens)
-                    inputs = StepAttentionInputs(
-                        num_decodes=decodes,
-                        query_lens=np.array(query_lens),
-                        seq_lens=np.array(seq_lens),
-                        block_table=np.zeros(
-                            (len(seq_lens), cdiv(max(seq_lens), self.block_size)), dtype=np.int64
-                        ),
-                        slot_mapping=np.zeros(total, dtype=np.int64),
-                        block_size=self.block_size,
-                        device=self.device,
-                        dtype=self.dtype,
-                    )
-                    with set_forward_context(backend.build_metadata(inputs)):
-                        out = model(
-                            torch.zeros(total, dtype=torch.long, device=self.device),
-                            torch.arange(total, device=self.device) % positions,
-                        )
-                    if model is self.model:
-                        hidden = out
-            finally:
-                for attn in layers:
-                    attn.kv_cache = torch.empty(0)
+        max_pos = self.config.model_config.max_position_embeddings
+        hidden = self._profile_forwards(self.model, self.attn_backend, max_pos, steps)
+        proposers = [] if self.proposer is None else self.proposer.profiled_models()
+        for model, backend, positions in proposers:
+            self._profile_forwards(model, backend, positions, steps)
         rows = min(sched.max_num_seqs, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         self.sampler(logits, _profile_sampling_metadata(rows, self.device))
+
+    def _profile_forwards(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        max_positions: int,
+        steps: list[tuple[np.ndarray, np.ndarray]],
+    ) -> torch.Tensor:
+        """The steps' forwards, every attention layer on a one-block stand-in cache that all
+        slots map to; the last step's hidden states."""
+        bs = self.block_size
+        layers = model.attention_layers()
+        for attn in layers:
+            attn.kv_cache = torch.zeros((1, 2, bs, attn.num_kv_heads, attn.head_size),
+                                        dtype=self.dtype, device=self.device)  # fmt: skip
+        try:
+            for query_lens, starts in steps:
+                layout = TokenLayout.of(np.arange(len(query_lens)), starts, query_lens)
+                table = np.zeros((len(query_lens), cdiv(int(layout.seq_lens.max()), bs)),
+                                 dtype=np.int64)  # fmt: skip
+                inputs = layout.attention_inputs(table, bs, self.device, self.dtype)
+                ids = torch.zeros(layout.num_tokens, dtype=torch.long, device=self.device)
+                positions = to_device(layout.positions % max_positions, self.device)
+                with set_forward_context(backend.build_metadata(inputs)):
+                    hidden = model(ids, positions)
+        finally:
+            for attn in layers:
+                attn.kv_cache = torch.empty(0)
+        return hidden
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Runs a step in turn: prepares it, runs it and returns its outputs."""
@@ -306,284 +303,301 @@ class ModelRunner:
         thread, self._device_thread = self._device_thread, None
         return thread is None or thread.close(wait)
 
+    # The host's part of a step.
+
     @torch.inference_mode()
-    def _prepare(self, out: SchedulerOutput, defer_free: bool) -> _Step | None:
-        """The host's part of a step: the batch brought up to date and everything the forward
-        needs but the input tokens (positions, slots, attention metadata). defer_free: a step
-        still running may write rows that this apply frees, so they are reused a step later."""
+    def _prepare(self, out: SchedulerOutput, defer_free: bool) -> PreparedStep | None:
+        """The batch brought up to date and everything the forward needs but the input tokens
+        (positions, slots, attention metadata). defer_free: a step still running may write
+        rows that this apply frees, so they are reused a step later."""
         batch = self.input_batch
         assert batch is not None and self.model is not None, "initialize_kv_cache() first"
-        timer = _StepTimer(self.device) if self.step_timing else None
-        batch.apply(out, defer_free)
-        if out.total_num_scheduled_tokens == 0:
-            return None
+        timer = StepTimer(self.device, self.step_timing)
+        with timer.stage("prepare", synchronize=False):
+            batch.apply(out, defer_free)
+            if out.total_num_scheduled_tokens == 0:
+                return None
+            req_ids = self._step_order(out)
+            rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, len(req_ids))
+            query_lens = np.fromiter(
+                (out.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids)
+            )
+            num_drafts = self._insert_drafts(out, req_ids, rows)
+            layout = TokenLayout.of(rows, batch.num_computed_tokens[rows], query_lens)
+            step, logit_rows = self._plan(out, req_ids, layout, num_drafts, timer)
+            self._device_inputs(step, num_drafts, logit_rows)
+            batch.num_computed_tokens[rows] = layout.seq_lens
+        return step
 
-        # Decodes (one new token) first, by context length so that the attention backend's
-        # decode groups pad little; then prefill chunks in schedule order.
+    def _step_order(self, out: SchedulerOutput) -> list[str]:
+        """Decodes (one new token) first, by context length so that the attention backend's
+        decode groups pad little; then prefill chunks in schedule order."""
+        batch = self.input_batch
+        assert batch is not None
         scheduled = out.num_scheduled_tokens
         row_of, computed = batch.row_of, batch.num_computed_tokens
-        req_ids = sorted(
+        return sorted(
             scheduled,
             key=lambda r: (scheduled[r] != 1, computed[row_of[r]] if scheduled[r] == 1 else 0),
         )
-        rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        query_lens = np.fromiter(
-            (out.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
-        starts = batch.num_computed_tokens[rows]
-        seq_lens = starts + query_lens
+
+    def _insert_drafts(
+        self, out: SchedulerOutput, req_ids: list[str], rows: np.ndarray
+    ) -> np.ndarray:
+        """Writes the proposals each request verifies after its last token (the step's input
+        for them); per request, how many."""
+        batch = self.input_batch
+        assert batch is not None
         spec = out.scheduled_spec_decode_tokens
         num_drafts = np.zeros(len(req_ids), dtype=np.int64)
         for i, req_id in enumerate(req_ids if spec else ()):
             drafts = spec.get(req_id)
-            if drafts:  # after the request's last token: its input for this step
+            if drafts:
                 row, n = rows[i], batch.num_tokens[rows[i]]
                 batch.token_ids[row, n : n + len(drafts)] = drafts
                 num_drafts[i] = len(drafts)
-        cu_query = np.concatenate(([0], np.cumsum(query_lens)))
-        total = int(cu_query[-1])
-        token_rows = np.repeat(rows, query_lens)
-        positions = np.arange(total) - np.repeat(cu_query[:-1] - starts, query_lens)
-        bs = self.block_size
-        slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
-        rope_positions = self._rope_positions(positions, token_rows)
+        return num_drafts
 
-        # Requests produce a token this step unless the scheduler says their step is part of
-        # a prompt, from the hidden state of their last token (when every token is one, no
-        # gather is needed).
-        done = np.ones(len(req_ids), dtype=bool)
+    def _plan(
+        self,
+        out: SchedulerOutput,
+        req_ids: list[str],
+        layout: TokenLayout,
+        num_drafts: np.ndarray,
+        timer: StepTimer,
+    ) -> tuple[PreparedStep, np.ndarray]:
+        """The step, and the hidden states that give logits: each sampling request's last,
+        and before it one per proposed token it verifies. A request samples unless the
+        scheduler says its step is part of a prompt."""
+        samples = np.ones(len(req_ids), dtype=bool)
         if out.partial_req_ids:
             partial = set(out.partial_req_ids)
-            done[[i for i, r in enumerate(req_ids) if r in partial]] = False
-        # The hidden states that give logits: each sampling request's last, and before it
-        # one per proposed token it verifies.
-        num_drafts_all, num_drafts = num_drafts, num_drafts[done]
-        last_token = np.repeat(cu_query[1:][done], num_drafts + 1) - 1
-        if num_drafts.any():
-            last_token -= np.repeat(num_drafts, num_drafts + 1) - ranks_within(num_drafts + 1)
-        gather = len(last_token) not in (0, total)
-
-        num_decodes = int(np.count_nonzero(query_lens == 1))
-        block_table = batch.block_table[rows, : cdiv(int(seq_lens.max()), bs)]
-        step = _Step(
+            samples[[i for i, r in enumerate(req_ids) if r in partial]] = False
+        drafts = num_drafts[samples]
+        logit_rows = np.repeat(layout.cu_query[1:][samples], drafts + 1) - 1
+        if drafts.any():
+            logit_rows -= np.repeat(drafts, drafts + 1) - ranks_within(drafts + 1)
+        step = PreparedStep(
             out=out,
             req_ids=req_ids,
-            rows=rows,
-            token_rows=token_rows,
-            positions=positions,
-            rope_positions=rope_positions,
-            done=done,
-            sample_rows=np.repeat(rows[done], num_drafts + 1),
-            num_drafts=num_drafts if num_drafts.any() else None,
-            prompt_logprobs=self._prompt_logprob_chunks(rows, starts, cu_query),
+            layout=layout,
+            rope_positions=self._rope_positions(layout),
+            samples=samples,
+            sample_rows=np.repeat(layout.rows[samples], drafts + 1),
+            num_drafts=drafts if drafts.any() else None,
+            prompt_logprobs=self._prompt_logprob_chunks(layout),
             timer=timer,
         )
-        # Decodes, each with the proposals it verifies and nothing else: a captured shape.
+        return step, logit_rows
+
+    def _device_inputs(
+        self, step: PreparedStep, num_drafts: np.ndarray, logit_rows: np.ndarray
+    ) -> None:
+        """The step's inputs on the device: a captured shape's (decodes, each with the
+        proposals it verifies and nothing else), or the attention metadata and positions."""
+        batch = self.input_batch
+        assert batch is not None
+        layout, table, bs = step.layout, batch.block_table, self.block_size
         graphs = self.decode_graphs
         shape = None
-        if graphs is not None and np.array_equal(query_lens, num_drafts_all + 1):
-            shape = graphs.shape_for(query_lens)
+        if graphs is not None and np.array_equal(layout.query_lens, num_drafts + 1):
+            shape = graphs.shape_for(layout.query_lens)
         if shape is not None:
-            step.graph_inputs = (shape, query_lens, slot_mapping, seq_lens, block_table)
-            last_token_t, step.sample_rows_t = self.staging.to_device(last_token, step.sample_rows)
-            step.last_token_t = last_token_t if gather else None
+            step.graph_inputs = GraphInputs(
+                shape, layout.query_lens, layout.slot_mapping(table, bs), layout.seq_lens,
+                layout.block_table(table, bs),
+            )  # fmt: skip
+            logit_rows_t, step.sample_rows_t = self.staging.to_device(logit_rows, step.sample_rows)
         else:
-            attn_inputs = StepAttentionInputs(
-                num_decodes=num_decodes,
-                query_lens=query_lens,
-                seq_lens=seq_lens,
-                block_table=block_table,
-                slot_mapping=slot_mapping,
-                block_size=bs,
-                device=self.device,
-                dtype=self.dtype,
+            inputs = layout.attention_inputs(table, bs, self.device, self.dtype)
+            step.attn_metadata = self.attn_backend.build_metadata(inputs)
+            step.positions_t, logit_rows_t, step.sample_rows_t = self.staging.to_device(
+                step.rope_positions, logit_rows, step.sample_rows
             )
-            step.attn_metadata = self.attn_backend.build_metadata(attn_inputs)
-            step.positions_t, last_token_t, step.sample_rows_t = self.staging.to_device(
-                rope_positions, last_token, step.sample_rows
-            )
-            step.last_token_t = last_token_t if gather else None
-        batch.num_computed_tokens[rows] = seq_lens
-        if timer is not None:
-            timer.lap("prepare", synchronize=False)
-        return step
+        # (When every token gives logits, no gather is needed.)
+        step.logit_rows_t = logit_rows_t if len(logit_rows) not in (0, layout.num_tokens) else None
 
-    def _rope_positions(self, positions: np.ndarray, token_rows: np.ndarray) -> np.ndarray:
+    def _rope_positions(self, layout: TokenLayout) -> np.ndarray:
         """The rows of the rotary table each token rotates by: its position, except with
         LongRoPE, where a token takes the long frequencies' rows (`offset` further) when its
         position reaches the threshold or its request's prompt is longer than it, as HF
         rotates a sequence's forward once the sequence passes the threshold."""
         if self.long_rope is None:
-            return positions
+            return layout.positions
         threshold, offset = self.long_rope
         batch = self.input_batch
         assert batch is not None
-        long = (positions >= threshold) | (batch.num_prompt_tokens[token_rows] > threshold)
-        return positions + offset * long
+        prompt_lens = batch.num_prompt_tokens[layout.token_rows]
+        long = (layout.positions >= threshold) | (prompt_lens > threshold)
+        return layout.positions + offset * long
 
-    @torch.inference_mode()
-    def _run_step(self, step: _Step) -> ModelRunnerOutput:
-        """The device's part of a step: input tokens, forward, sampling, outputs. Steps run
-        this in order; each reads the batch's token record after the one before wrote it.
-        The platform may adapt the step's threads (the CPU's to contention for its cores)."""
-        with self.platform.step_threads():
-            return self._run_step_body(step)
-
-    def _run_step_body(self, step: _Step) -> ModelRunnerOutput:
-        batch = self.input_batch
-        assert batch is not None and self.model is not None
-        timer = step.timer
-        if timer is not None:
-            timer.restart()  # the time queued behind the step before is not this step's
-        sample_rows = step.sample_rows
-        try:
-            input_ids = batch.token_ids[step.token_rows, step.positions]
-            ranks = None if step.num_drafts is None else ranks_within(step.num_drafts + 1)
-            meta = (
-                batch.sampling_metadata(sample_rows, step.sample_rows_t, ranks)
-                if len(sample_rows)
-                else None
-            )
-            wants = [i for i, r in enumerate(sample_rows.tolist()) if r in batch.num_logprobs]
-            top_k = max((batch.num_logprobs[int(sample_rows[i])] for i in wants), default=0)
-        finally:
-            step.inputs_taken.set()
-
-        if step.graph_inputs is not None:
-            graphs = self.decode_graphs
-            assert graphs is not None
-            if timer is not None:
-                timer.lap("prepare")  # the copies into the graph's buffers count as forward
-            if self.on_forward is not None:
-                self.on_forward()
-            shape, query_lens, *attn = step.graph_inputs
-            hidden = graphs.run(shape, query_lens, input_ids, step.rope_positions, *attn)
-        else:
-            ids_t = self.ids_staging.to_device(input_ids)[0]
-            if timer is not None:
-                timer.lap("prepare")
-            if self.on_forward is not None:
-                self.on_forward()
-            with set_forward_context(step.attn_metadata):
-                hidden = self.model(ids_t, step.positions_t)
-        if timer is not None:
-            timer.lap("forward")
-
-        req_ids = step.req_ids
-        sampled_ids: list[list[int]] = [[] for _ in req_ids]
-        spec_token_ids: dict[str, list[int]] = {}
-        logprobs, logprobs_req_ids = None, []
-        prompt_logprobs = {}
-        for i, at, targets, k in step.prompt_logprobs:
-            logits = self.model.compute_logits(hidden[at[0] : at[1]])
-            targets_t = to_device(targets, hidden.device)
-            prompt_logprobs[req_ids[i]] = compute_logprobs(logits, targets_t, k)
-        if meta is not None:
-            at = step.last_token_t
-            logits = self.model.compute_logits(hidden if at is None else hidden[at])
-            if timer is not None:
-                timer.lap("logits")
-            sampling = np.flatnonzero(step.done).tolist()  # positions in req_ids
-            num_drafts = step.num_drafts
-            # Per row of logits: the position in req_ids of the request it samples for.
-            owners = sampling if num_drafts is None else np.repeat(sampling, num_drafts + 1)
-            if step.out.grammar_req_ids:
-                apply_grammar_bitmask(logits, [req_ids[i] for i in owners], step.out)
-            if num_drafts is None:
-                sampled = self.sampler(logits, meta)
-                token_lists = [[t] for t in sampled.cpu().tolist()]
-            else:
-                drafts = step.out.scheduled_spec_decode_tokens
-                draft_ids = [t for i in sampling for t in drafts.get(req_ids[i], ())]
-                token_lists = rejection_sample(
-                    self.sampler, logits, meta, num_drafts, np.array(draft_ids, dtype=np.int64)
-                )
-                # Per row, the token it emitted: a request's first rows emit its accepted
-                # proposals, the next its last token; rows after that emit nothing.
-                emitted = np.zeros(len(owners), dtype=np.int64)
-                emits = np.zeros(len(owners), dtype=bool)
-                at = 0
-                for tokens, k in zip(token_lists, num_drafts.tolist()):
-                    emitted[at : at + len(tokens)] = tokens
-                    emits[at : at + len(tokens)] = True
-                    at += k + 1
-                sampled = to_device(emitted, logits.device)
-                wants = [i for i in wants if emits[i]]  # logprobs: one row per emitted token
-            if wants:  # from the raw logits, before any adjustment
-                at_t = to_device(wants, logits.device)
-                logprobs = compute_logprobs(logits[at_t], sampled[at_t], top_k)
-                logprobs_req_ids = [req_ids[owners[i]] for i in wants]
-            request_rows = sample_rows if num_drafts is None else step.rows[step.done]
-            batch.append_token_lists(request_rows, token_lists)
-            for i, tokens in zip(sampling, token_lists):
-                sampled_ids[i] = tokens
-            if step.out.propose and (self.proposer is not None or self.drafter is not None):
-                spec_token_ids = self._propose(req_ids, sampling, request_rows)
-        step_times = None
-        if timer is not None:
-            timer.lap("sample")
-            step_times = timer.times
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=sampled_ids,
-            step_times=step_times,
-            logprobs_req_ids=logprobs_req_ids,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            spec_token_ids=spec_token_ids,
-        )
-
-    def _propose(
-        self, req_ids: list[str], sampling: list[int], rows: np.ndarray
-    ) -> dict[str, list[int]]:
-        """The proposals (n-gram or draft model) for the requests that sampled. Every one
-        may speculate: the sampler adjusts each verified position's logits by what comes
-        before it, proposed tokens included (penalties, bad words, min_tokens, a grammar's
-        mask from the core)."""
-        batch = self.input_batch
-        assert batch is not None
-        eligible = list(zip(sampling, rows.tolist()))
-        if not eligible:
-            return {}
-        at = np.array([row for _, row in eligible], dtype=np.int64)
-        if self.drafter is not None:
-            lists = self.drafter.propose(
-                batch,
-                at,
-                self.config.model_config.max_model_len,
-                self.config.scheduler_config.max_num_batched_tokens,
-            )
-        else:
-            assert self.proposer is not None
-            num_tokens = batch.num_tokens[at]
-            tokens = batch.token_ids[at, : int(num_tokens.max())]
-            lists = self.proposer.propose_batch(tokens, num_tokens)
-        return {req_ids[i]: p for (i, _), p in zip(eligible, lists) if p}
-
-    def _prompt_logprob_chunks(
-        self, rows: np.ndarray, starts: np.ndarray, cu_query: np.ndarray
-    ) -> list[tuple[int, tuple[int, int], np.ndarray, int]]:
+    def _prompt_logprob_chunks(self, layout: TokenLayout) -> list[PromptLogprobChunk]:
         """For the requests asking for prompt logprobs: each prompt position of this step's
-        chunk but the prompt's last predicts the next prompt token. Per such request: its
-        position in the step, its span of hidden states, the prompt tokens they predict, and
-        the top k asked for."""
+        chunk but the prompt's last predicts the next prompt token."""
         batch = self.input_batch
         assert batch is not None
+        wanted = batch.sampling.logprobs.prompt
+        if not wanted:
+            return []
         chunks = []
-        for i, row in enumerate(rows.tolist()):
-            k = batch.num_prompt_logprobs.get(row)
+        starts, cu = layout.seq_lens - layout.query_lens, layout.cu_query
+        for i, row in enumerate(layout.rows.tolist()):
+            k = wanted.get(row)
             if k is None:
                 continue
             start = int(starts[i])
             last = int(batch.num_prompt_tokens[row]) - 1  # the last position that scores one
-            end = min(start + int(cu_query[i + 1] - cu_query[i]), last)
+            end = min(start + int(layout.query_lens[i]), last)
             if end >= last:
-                del batch.num_prompt_logprobs[row]  # the prompt is done
+                del wanted[row]  # the prompt is done
             if end <= start:
                 continue
             targets = batch.token_ids[row, start + 1 : end + 1].copy()
-            chunks.append((i, (int(cu_query[i]), int(cu_query[i]) + end - start), targets, k))
+            chunks.append(PromptLogprobChunk(i, (int(cu[i]), int(cu[i]) + end - start), targets, k))
         return chunks
+
+    # The device's part of a step.
+
+    @torch.inference_mode()
+    def _run_step(self, step: PreparedStep) -> ModelRunnerOutput:
+        """Input tokens, forward, logits, sampling, outputs. Steps run this in order; each
+        reads the batch's token record after the one before wrote it. The platform may adapt
+        the step's threads (the CPU's to contention for its cores)."""
+        timer = step.timer
+        with self.platform.step_threads():
+            with timer.stage("prepare"):
+                inputs = self._take_inputs(step)
+            with timer.stage("forward"):
+                hidden = self._forward(step, inputs.input_ids)
+            with timer.stage("logits"):
+                prompt_logprobs = self._prompt_logprobs(step, hidden)
+                logits = None if inputs.metadata is None else self._logits(step, hidden)
+            output = ModelRunnerOutput(
+                req_ids=step.req_ids,
+                sampled_token_ids=[[] for _ in step.req_ids],
+                prompt_logprobs=prompt_logprobs,
+            )
+            if logits is not None:
+                with timer.stage("sample"):
+                    self._sample_and_propose(step, logits, inputs, output)
+        output.step_times = timer.results()
+        return output
+
+    def _sample_and_propose(
+        self,
+        step: PreparedStep,
+        logits: torch.Tensor,
+        inputs: StepInputs,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Samples (or verifies the proposals), records the tokens, their logprobs and the
+        next proposals in `output`."""
+        batch = self.input_batch
+        assert batch is not None and inputs.metadata is not None
+        sampling = step.sampling
+        if step.out.grammar_req_ids:
+            owners = self._logit_owners(step)
+            apply_grammar_bitmask(logits, [step.req_ids[i] for i in owners], step.out)
+        if step.num_drafts is None:
+            tokens_t = self.sampler(logits, inputs.metadata)
+            sampled = Sampled([[t] for t in tokens_t.cpu().tolist()], tokens_t,
+                              inputs.logprob_rows)  # fmt: skip
+        else:
+            sampled = self._verify(step, logits, inputs)
+        if sampled.logprob_rows:  # from the logits before the sampler's adjustments
+            at_t = to_device(sampled.logprob_rows, logits.device)
+            owners = self._logit_owners(step)
+            output.logprobs = compute_logprobs(
+                logits[at_t], sampled.tokens_t[at_t], inputs.top_logprobs
+            )
+            output.logprobs_req_ids = [step.req_ids[owners[i]] for i in sampled.logprob_rows]
+        request_rows = step.layout.rows[step.samples]
+        batch.append_token_lists(request_rows, sampled.token_lists)
+        for i, tokens in zip(sampling, sampled.token_lists):
+            output.sampled_token_ids[i] = tokens
+        if step.out.propose and self.proposer is not None and sampling:
+            # Every request may speculate: the sampler adjusts each verified position's
+            # logits by what comes before it, proposed tokens included.
+            proposals = self.proposer.propose_rows(batch, request_rows)
+            output.spec_token_ids = {
+                step.req_ids[i]: p for i, p in zip(sampling, proposals) if p
+            }
+
+    def _take_inputs(self, step: PreparedStep) -> StepInputs:
+        """Reads the input tokens and the sampling state from the batch, then lets the next
+        step change it."""
+        batch = self.input_batch
+        assert batch is not None
+        try:
+            input_ids = batch.token_ids[step.layout.token_rows, step.layout.positions]
+            metadata = None
+            if len(step.sample_rows):
+                ranks = None if step.num_drafts is None else ranks_within(step.num_drafts + 1)
+                metadata = batch.sampling.metadata(step.sample_rows, step.sample_rows_t, ranks)
+            logprob_rows, top_logprobs = batch.sampling.logprobs.wanted(step.sample_rows)
+        finally:
+            step.inputs_taken.set()
+        return StepInputs(input_ids, metadata, logprob_rows, top_logprobs)
+
+    def _forward(self, step: PreparedStep, input_ids: np.ndarray) -> torch.Tensor:
+        """The hidden states of the step's tokens, replayed from a graph or run eagerly."""
+        assert self.model is not None
+        graph = step.graph_inputs
+        if graph is not None:
+            assert self.decode_graphs is not None
+            if self.on_forward is not None:
+                self.on_forward()
+            return self.decode_graphs.run(
+                graph.shape, graph.query_lens, input_ids, step.rope_positions,
+                graph.slot_mapping, graph.seq_lens, graph.block_table,
+            )  # fmt: skip
+        ids_t = self.ids_staging.to_device(input_ids)[0]
+        if self.on_forward is not None:
+            self.on_forward()
+        with set_forward_context(step.attn_metadata):
+            return self.model(ids_t, step.positions_t)
+
+    def _logits(self, step: PreparedStep, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None
+        rows = step.logit_rows_t
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
+
+    def _prompt_logprobs(
+        self, step: PreparedStep, hidden: torch.Tensor
+    ) -> dict[str, LogprobsArrays]:
+        assert self.model is not None
+        found = {}
+        for chunk in step.prompt_logprobs:
+            logits = self.model.compute_logits(hidden[chunk.span[0] : chunk.span[1]])
+            targets = to_device(chunk.targets, hidden.device)
+            found[step.req_ids[chunk.index]] = compute_logprobs(logits, targets, chunk.k)
+        return found
+
+    def _verify(self, step: PreparedStep, logits: torch.Tensor, inputs: StepInputs) -> Sampled:
+        """Rejection sampling of the proposals. Per row of logits, the token it emitted: a
+        request's first rows emit its accepted proposals, the next its last token; rows after
+        that emit nothing (and give no logprobs)."""
+        num_drafts = step.num_drafts
+        assert num_drafts is not None and inputs.metadata is not None
+        drafts = step.out.scheduled_spec_decode_tokens
+        draft_ids = [t for i in step.sampling for t in drafts.get(step.req_ids[i], ())]
+        token_lists = rejection_sample(self.sampler, logits, inputs.metadata, num_drafts,
+                                       np.array(draft_ids, dtype=np.int64))  # fmt: skip
+        emitted = np.zeros(len(step.sample_rows), dtype=np.int64)
+        emits = np.zeros(len(step.sample_rows), dtype=bool)
+        at = 0
+        for tokens, k in zip(token_lists, num_drafts.tolist()):
+            emitted[at : at + len(tokens)] = tokens
+            emits[at : at + len(tokens)] = True
+            at += k + 1
+        wants = [i for i in inputs.logprob_rows if emits[i]]
+        return Sampled(token_lists, to_device(emitted, logits.device), wants)
+
+    @staticmethod
+    def _logit_owners(step: PreparedStep) -> np.ndarray | list[int]:
+        """Per row of logits: the position in req_ids of the request it samples for."""
+        sampling = step.sampling
+        return sampling if step.num_drafts is None else np.repeat(sampling, step.num_drafts + 1)
 
 
 def apply_grammar_bitmask(
@@ -630,41 +644,6 @@ def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> Logp
 _PROFILE_DECODE_CONTEXT = 8192
 
 
-def make_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
-    """The configured backend (registry.py). Triton on the CPU runs in Triton's interpreter
-    (for tests: it is slow), which must be chosen before any kernel module is imported.
-    CPU_ATTN gives way to TORCH_SDPA, with a log line, where tokenmill's CPU kernels are not in
-    use or do not take the model's dtype."""
-    platform = platform_of(device)
-    name = config.device_config.attention_backend
-    dtype = getattr(torch, config.model_config.dtype)
-    if name == "TRITON_ATTN":
-        if platform.triton_interpreted and os.environ.get("TRITON_INTERPRET") != "1":
-            # The choice is the process's: made here it would also send the CUDA kernels of a
-            # process that has a GPU (and its child processes) to the interpreter.
-            if torch.cuda.is_available():
-                raise ValueError(
-                    f"attention_backend='TRITON_ATTN' with device={device.type!r} runs in "
-                    "Triton's interpreter, which a process with a GPU must choose before it "
-                    "starts (TRITON_INTERPRET=1); or use device='cuda'"
-                )
-            os.environ["TRITON_INTERPRET"] = "1"
-        backend = backend_class(name)
-        model, tp = config.model_config, config.parallel_config.tensor_parallel_size
-        kv_heads = max(1, model.num_kv_heads // tp)  # replicated when fewer than the ranks
-        return backend(model.num_attention_heads // tp, kv_heads, model.head_size, device, dtype)
-    if name == "CPU_ATTN":
-        if not platform.cpu_kernels():
-            logger.info("attention_backend CPU_ATTN needs tokenmill's CPU kernels: TORCH_SDPA runs")
-        elif dtype not in backend_class(name).dtypes:
-            logger.info("attention_backend CPU_ATTN takes fp32 and bf16, not %s: TORCH_SDPA runs",
-                        config.model_config.dtype)  # fmt: skip
-        else:
-            return backend_class(name)()
-    # On a GPU every decode goes into one attention call; on the CPU into cache-sized groups.
-    return backend_class("TORCH_SDPA")(platform.decode_group_bytes())
-
-
 def model_tensor_bytes(model: torch.nn.Module) -> int:
     """Bytes of every tensor the model holds: parameters and buffers, and the run-time forms
     quantized layers keep beside them (`qweight`, GGUF rows), each storage once."""
@@ -704,58 +683,8 @@ def _profile_sampling_metadata(rows: int, device: torch.device) -> SamplingMetad
         top_p=torch.full((rows,), 0.9, device=device),
         min_p=None,
         generators={},
-        banned_token_ids={},
     )
-
-
-@dataclass(eq=False)
-class _Step:
-    """A step as the host prepared it (ModelRunner._prepare), for its device part."""
-
-    out: SchedulerOutput
-    req_ids: list[str]  # in the step's order
-    rows: np.ndarray  # the batch's rows, in that order
-    token_rows: np.ndarray  # per scheduled token: its row and position
-    positions: np.ndarray
-    rope_positions: np.ndarray  # the rotary table's row per token (LongRoPE: see above)
-    done: np.ndarray  # per request: whether it samples this step
-    sample_rows: np.ndarray  # per row of logits: its batch row
-    # per sampling request (in req_ids order): the proposed tokens it verifies; None: none
-    num_drafts: np.ndarray | None
-    prompt_logprobs: list[tuple[int, tuple[int, int], np.ndarray, int]]
-    timer: _StepTimer | None
-    # Either the decode graphs' inputs (the captured shape, query lengths, slot mapping,
-    # sequence lengths, block table), or the attention metadata and positions on the device.
-    graph_inputs: tuple | None = None
-    attn_metadata: object = None
-    positions_t: torch.Tensor | None = None
-    last_token_t: torch.Tensor | None = None  # rows of the hidden states that sample
-    sample_rows_t: torch.Tensor | None = None  # sample_rows on the device
-    # Set once the device part has read the batch (the next step may then change it).
-    inputs_taken: threading.Event = field(default_factory=threading.Event)
-    future: Future | None = None
 
 
 def _empty_output() -> ModelRunnerOutput:
     return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-
-
-class _StepTimer:
-    """Wall time of a step's stages; the device is synchronized at every lap, so that a
-    stage's queued kernels count where they were launched."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.platform = platform_of(device)
-        self.times: dict[str, float] = {}
-        self.last = time.perf_counter()
-
-    def restart(self) -> None:
-        self.last = time.perf_counter()
-
-    def lap(self, stage: str, synchronize: bool = True) -> None:
-        if synchronize:
-            self.platform.synchronize(self.device)
-        now = time.perf_counter()
-        self.times[stage] = self.times.get(stage, 0.0) + now - self.last
-        self.last = now

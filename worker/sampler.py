@@ -1,21 +1,25 @@
 """The Sampler: logits of the rows that complete a request's step -> one token each.
 
-Order, as in vLLM: allowed_token_ids, then bans (bad words, and stop tokens under min_tokens),
-logit_bias, then the penalties (repetition on prompt and output tokens, frequency and
-presence on output tokens), then greedy argmax for temperature 0; for the rest temperature,
-min-p, top-k, top-p, and an exponential race (argmax of p / q with q ~ Exp(1)), which draws
-exactly like multinomial sampling. A request with a `seed` draws its q from its own
+Order, as in vLLM: the features' adjustments of the logits (worker/sample/: allowed_token_ids,
+bans of stop tokens under min_tokens and of bad words, logit_bias, the penalties), then
+greedy argmax for temperature 0; for the rest temperature, min-p, top-k, top-p, and an
+exponential race (argmax of p / q with q ~ Exp(1)), which draws exactly like multinomial
+sampling. A request with a `seed` draws its q from its own
 generator, so its tokens do not depend on what else is in the batch. Everything is batched on
 the device; rows without a feature pay nothing for it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.kernels import cpu
+
+if TYPE_CHECKING:
+    from tokenmill.worker.sample.base import LogitsAdjustment
 
 
 @dataclass
@@ -26,31 +30,12 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [R] fp32, 1 = off
     min_p: torch.Tensor | None  # [R] fp32, 0 = off
     generators: dict[int, torch.Generator]  # row -> the request's own generator
-    # rows still under min_tokens, or about to complete a bad word -> token ids they may not
-    # sample now
-    banned_token_ids: dict[int, list[int]]
-    # (rows [A], mask [A, V], True where allowed)
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
-    penalties: Penalties | None = None
+    # The features' changes to the logits (worker/sample/), in the order they apply.
+    adjustments: list[LogitsAdjustment] = field(default_factory=list)
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.banned_token_ids) or any(
-            x is not None for x in (self.allowed, self.bias, self.penalties)
-        )
-
-
-@dataclass
-class Penalties:
-    """The rows (of the sampled batch) with a penalty, and what they need."""
-
-    rows: torch.Tensor  # [P]
-    presence: torch.Tensor  # [P, 1] fp32
-    frequency: torch.Tensor  # [P, 1]
-    repetition: torch.Tensor  # [P, 1]
-    output_counts: torch.Tensor  # [P, V] int32: how often each token was generated
-    prompt_mask: torch.Tensor  # [P, V] bool: tokens in the prompt
+        return bool(self.adjustments)
 
 
 class Sampler:
@@ -193,21 +178,7 @@ def apply_top_k_top_p(
 
 
 def apply_adjustments(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-    """allowed_token_ids, bans, logit_bias and penalties, in place on fp32 logits [R, V]."""
-    if meta.allowed is not None:
-        rows, mask = meta.allowed
-        logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
-    for row, token_ids in meta.banned_token_ids.items():
-        logits[row, token_ids] = float("-inf")
-    if meta.bias is not None:
-        rows, token_ids, values = meta.bias
-        logits.index_put_((rows, token_ids), values, accumulate=True)
-    p = meta.penalties
-    if p is not None:
-        x = logits[p.rows]
-        seen = p.prompt_mask | (p.output_counts > 0)
-        # Repetition: positive logits are divided by the penalty, negative ones multiplied.
-        scaled = torch.where(x > 0, x / p.repetition, x * p.repetition)
-        x = torch.where(seen, scaled, x)
-        x -= p.frequency * p.output_counts + p.presence * (p.output_counts > 0)
-        logits[p.rows] = x
+    """The features' adjustments (allowed tokens, bans, logit bias, penalties, ...), in place
+    on fp32 logits [R, V]."""
+    for adjustment in meta.adjustments:
+        adjustment.apply(logits)

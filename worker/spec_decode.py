@@ -1,4 +1,5 @@
-"""Speculative decoding in the workers: the n-gram proposer and the rejection sampler.
+"""Speculative decoding in the workers: the n-gram proposer (one of worker/proposer.py's)
+and the rejection sampler.
 
 A request that speculates is scheduled for 1 + k tokens: its last sampled token, then k
 proposed ones. The forward gives the target's logits at all 1 + k positions; position j
@@ -18,6 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill.protocol.config import EngineConfig
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.proposer import Proposer
 from tokenmill.worker.sampler import Sampler, SamplingMetadata, first_arg
 from tokenmill.worker.staging import to_device
 
@@ -26,7 +30,7 @@ from tokenmill.worker.staging import to_device
 _BATCH_FROM = 8
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Proposes the k tokens that followed the latest earlier occurrence of the longest
     suffix of a request's tokens (prompt and output) of min_n to max_n tokens.
 
@@ -36,6 +40,17 @@ class NgramProposer:
 
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, device: torch.device) -> NgramProposer:
+        spec = config.speculative_config
+        assert spec is not None
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        return cls(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def propose_rows(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
+        num_tokens = batch.num_tokens[rows]
+        return self.propose_batch(batch.token_ids[rows, : int(num_tokens.max())], num_tokens)
 
     def propose(self, tokens: np.ndarray, k: int | None = None) -> list[int]:
         k = self.k if k is None else k

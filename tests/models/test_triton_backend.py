@@ -184,9 +184,9 @@ def test_profile_run_includes_the_draft_models_forwards(tiny_model) -> None:
     ).create_engine_config()
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
-    assert runner.drafter is not None and runner.drafter.model is not None
+    assert runner.proposer is not None and runner.proposer.model is not None
     tokens_seen = []
-    hook = runner.drafter.model.register_forward_hook(
+    hook = runner.proposer.model.register_forward_hook(
         lambda module, args, out: tokens_seen.append(args[0].shape[0])
     )
     try:
@@ -194,7 +194,7 @@ def test_profile_run_includes_the_draft_models_forwards(tiny_model) -> None:
     finally:
         hook.remove()
     assert tokens_seen == [64, 4]  # the token budget's prefill, then max_num_seqs decodes
-    assert all(a.kv_cache.numel() == 0 for a in runner.drafter.model.attention_layers())
+    assert all(a.kv_cache.numel() == 0 for a in runner.proposer.model.attention_layers())
 
 
 def test_fp8_kv_cache_triton_engine_matches_torch_engine(tiny_model, monkeypatch) -> None:

@@ -221,7 +221,7 @@ def test_cpu_attn_gives_way_where_it_does_not_take_the_dtype(tiny_model, dtype, 
     from tokenmill.kernels import cpu
     from tokenmill.protocol import envs
     from tokenmill.protocol.config import EngineArgs
-    from tokenmill.worker.model_runner import make_attention_backend
+    from tokenmill.worker.attention.registry import make_attention_backend
 
     if not cpu.load(envs.TOKENMILL_CACHE):
         pytest.skip("the CPU kernels cannot be built here")

@@ -73,18 +73,18 @@ def test_a_steps_sampling_metadata_is_the_last_ones_only_while_nothing_changed()
     batch = make_batch()
     batch.apply(output([new_with("a", [1, 2], temperature=0.5), new("b", [3])]))
     rows = np.array([batch.row_of["a"], batch.row_of["b"]])
-    first = batch.sampling_metadata(rows)
+    first = batch.sampling.metadata(rows)
     assert first.temperature.tolist() == [0.5, 0.0]
-    assert batch.sampling_metadata(rows) is first  # the same rows, no settings written since
-    assert batch.sampling_metadata(rows[:1]) is not first  # other rows
+    assert batch.sampling.metadata(rows) is first  # the same rows, no settings written since
+    assert batch.sampling.metadata(rows[:1]) is not first  # other rows
     # b finishes and c takes its row with other settings: that row's column is rewritten.
     batch.apply(output([new_with("c", [4], temperature=0.9, top_k=5)], finished=["b"]))
     assert batch.row_of["c"] == rows[1]
-    fresh = batch.sampling_metadata(rows)
+    fresh = batch.sampling.metadata(rows)
     assert fresh is not first
     assert fresh.temperature.tolist() == [0.5, 0.8999999761581421]
     assert fresh.top_k is not None and fresh.top_k.tolist() == [0, 5]
     # A penalty depends on the tokens so far: computed every step.
     batch.apply(output([new_with("d", [5], repetition_penalty=1.3)]))
     with_penalty = np.array([batch.row_of["a"], batch.row_of["d"]])
-    assert batch.sampling_metadata(with_penalty) is not batch.sampling_metadata(with_penalty)
+    assert batch.sampling.metadata(with_penalty) is not batch.sampling.metadata(with_penalty)

@@ -8,10 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.worker.sampler import Penalties, SamplingMetadata, apply_adjustments
+from tokenmill.worker.sample.base import Bans
+from tokenmill.worker.sample.logit_bias import AllowedMask, Bias
+from tokenmill.worker.sample.penalties import Penalties
+from tokenmill.worker.sampler import SamplingMetadata, apply_adjustments
 
 
-def _meta(rows: int, **kwargs) -> SamplingMetadata:
+def _meta(rows: int, *adjustments) -> SamplingMetadata:
     return SamplingMetadata(
         temperature=torch.zeros(rows),
         all_greedy=True,
@@ -19,8 +22,7 @@ def _meta(rows: int, **kwargs) -> SamplingMetadata:
         top_p=None,
         min_p=None,
         generators={},
-        banned_token_ids=kwargs.pop("banned_token_ids", {}),
-        **kwargs,
+        adjustments=list(adjustments),
     )
 
 
@@ -36,7 +38,7 @@ def test_penalties_by_hand() -> None:
         output_counts=counts,
         prompt_mask=torch.tensor([[False, True, False, False]]),
     )
-    apply_adjustments(logits, _meta(2, penalties=penalties))
+    apply_adjustments(logits, _meta(2, penalties))
     # token 0: 2 / 2 (repetition, positive) - 0.5 * 1 (frequency) - 0.25 (presence) = 0.25
     # token 1: -1 * 2 (repetition, negative; prompt only, so no frequency or presence) = -2
     # token 2: 0.5 / 2 - 0.5 * 2 - 0.25 = -1.0;  token 3: never seen, unchanged
@@ -47,9 +49,9 @@ def test_allowed_bans_and_bias_by_hand() -> None:
     logits = torch.zeros(3, 5)
     meta = _meta(
         3,
-        allowed=(torch.tensor([0]), torch.tensor([[False, True, False, True, False]])),
-        banned_token_ids={1: [4, 2]},
-        bias=(torch.tensor([1, 2, 2]), torch.tensor([0, 3, 3]), torch.tensor([1.5, -2.0, 1.0])),
+        AllowedMask(torch.tensor([0]), torch.tensor([[False, True, False, True, False]])),
+        Bans({1: [4, 2]}),
+        Bias(torch.tensor([1, 2, 2]), torch.tensor([0, 3, 3]), torch.tensor([1.5, -2.0, 1.0])),
     )
     apply_adjustments(logits, meta)
     inf = float("-inf")

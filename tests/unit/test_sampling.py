@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.worker.sample.base import Bans
 from tokenmill.worker.sampler import (
     Sampler,
     SamplingMetadata,
@@ -93,7 +94,6 @@ def _meta(rows: int, **kwargs) -> SamplingMetadata:
         top_p=None,
         min_p=None,
         generators={},
-        banned_token_ids={},
     )
     defaults.update(kwargs)
     return SamplingMetadata(**defaults)
@@ -104,7 +104,7 @@ def test_sampler_greedy_min_p_and_banned_tokens() -> None:
     sampler = Sampler(torch.Generator().manual_seed(0))
     meta = _meta(3, temperature=torch.tensor([0.0, 0.0, 0.0]), all_greedy=True)
     assert sampler(logits, meta).tolist() == [1, 0, 2]
-    banned = _meta(3, temperature=torch.zeros(3), all_greedy=True, banned_token_ids={2: [2]})
+    banned = _meta(3, temperature=torch.zeros(3), all_greedy=True, adjustments=[Bans({2: [2]})])
     assert sampler(logits, banned).tolist()[2] != 2
     # min_p=0.5 keeps only tokens at least half as likely as the best: row 1 keeps token 0.
     meta = _meta(3, min_p=torch.tensor([0.0, 0.5, 0.5]))

@@ -116,7 +116,6 @@ def metadata(rows: int, temperature: float, top_k: int, top_p: float) -> Samplin
         top_p=torch.full((rows,), top_p) if top_p < 1 else None,
         min_p=None,
         generators={},
-        banned_token_ids={},
     )
 
 
