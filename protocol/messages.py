@@ -125,6 +125,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
     # the first k ("right").
     truncate_prompt_tokens: Optional[int] = None
     truncation_side: str = "left"
+    # Trace replay (vLLM's): the decode emits these tokens in turn instead of sampling, while
+    # its logprobs stay the model's own (for comparing engines and settings, or RL rollouts
+    # on one trajectory). As vLLM, generation then ends with the trace: max_tokens is capped
+    # to its length and EOS does not stop it.
+    trace_decode_token_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +140,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        trace = self.trace_decode_token_ids
+        if trace is not None:
+            if not isinstance(trace, list) or not trace:
+                raise ValueError(
+                    f"trace_decode_token_ids must be a non-empty list of token ids, got {trace!r}"
+                )
+            self.ignore_eos = True
+            self.max_tokens = min(self.max_tokens or len(trace), len(trace))
+            self.min_tokens = min(self.min_tokens, self.max_tokens)
         if self.logit_bias is not None:
             # JSON gives string keys; OpenAI and vLLM clamp biases to [-100, 100].
             try:
@@ -203,6 +217,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
             for seq in self.bad_words_token_ids
         ):
             fail("bad_words_token_ids", "a list of non-empty token id lists")
+        if self.trace_decode_token_ids is not None and any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0
+            for t in self.trace_decode_token_ids
+        ):
+            fail("trace_decode_token_ids", "a non-empty list of non-negative token ids")
         if self.bad_words is not None and any(
             not isinstance(w, str) or not w.strip() for w in self.bad_words
         ):
@@ -214,7 +233,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
         ids += list(self.logit_bias or ())
         for seq in self.bad_words_token_ids or ():
             ids += seq
-        return ids
+        return ids + list(self.trace_decode_token_ids or ())
 
     @property
     def has_penalties(self) -> bool:

@@ -21,19 +21,22 @@ from tokenmill.worker.sample.logprobs import Logprobs
 from tokenmill.worker.sample.min_tokens import MinTokens
 from tokenmill.worker.sample.penalties import PenaltyState
 from tokenmill.worker.sample.settings import Seeds, Settings
+from tokenmill.worker.sample.trace import TraceReplay
 from tokenmill.worker.sampler import SamplingMetadata
 from tokenmill.worker.staging import to_device
 
 if TYPE_CHECKING:
     from tokenmill.worker.input_batch import RequestState
 
-# The features that adjust the logits, in the order they are applied.
+# The features that adjust the logits, in the order they are applied. Trace replay comes
+# last: it overrides whatever the others did to its rows.
 ADJUSTERS: tuple[type[SamplingState], ...] = (
     AllowedTokens,
     MinTokens,
     BadWords,
     LogitBias,
     PenaltyState,
+    TraceReplay,
 )
 
 
