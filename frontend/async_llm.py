@@ -6,11 +6,12 @@ default; `output_kind` asks for deltas or the final output only). Leaving the lo
 cancelling the task, aborts the request in the core at once.
 
 The engine core runs in its own process (spawned, or a daemon given by `engine_address`),
-reached through an AsyncMPClient whose sockets the event loop reads itself. One task takes
-the core's outputs, detokenizes them in chunks (yielding to the loop between chunks, so that
-hundreds of streams never stall it for long) and hands them to the streams. Prompts are
-tokenized (and chat templates rendered) on one worker thread, off the loop. If the core
-dies, every open stream raises EngineDeadError, and so does every later call.
+reached through an AsyncEngineCoreClient (frontend/async_core_client.py) whose sockets the
+event loop reads itself. One task takes the core's outputs, detokenizes them in chunks
+(yielding to the loop between chunks, so that hundreds of streams never stall it for long)
+and hands them to the streams. Prompts are tokenized (and chat templates rendered) on one
+worker thread, off the loop. If the core dies, every open stream raises EngineDeadError, and
+so does every later call.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tokenmill.frontend.core_client import AsyncMPClient, EngineDeadError
+from tokenmill.frontend.async_core_client import AsyncEngineCoreClient
+from tokenmill.frontend.core_client import EngineDeadError
 from tokenmill.frontend.input_processor import PromptType, render_chat
 from tokenmill.frontend.llm_engine import make_processors, preload_tokenizer
 from tokenmill.frontend.outputs import RequestOutput
 from tokenmill.protocol import envs
-from tokenmill.protocol.config import EngineArgs
+from tokenmill.protocol.config import EngineArgs, EngineConfig
 from tokenmill.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -57,22 +59,18 @@ class AsyncLLM:
     ) -> None:
         token = auth_token if auth_token is not None else envs.TOKENMILL_AUTH_TOKEN
         if engine_address is None:
-            config = EngineArgs(model=model, **kwargs).create_engine_config()
+            config: EngineConfig | None = EngineArgs(model=model, **kwargs).create_engine_config()
             tokenizer = preload_tokenizer(config, multiprocess=True)
-            if config.parallel_config.data_parallel_size > 1:
-                from tokenmill.frontend.dp_client import AsyncDPClient
-
-                self.client = AsyncDPClient(config, auth_token=token)
-            else:
-                self.client = AsyncMPClient(config)
         else:
             if kwargs:
                 raise TypeError(
                     f"engine arguments {sorted(kwargs)} belong to the engine-core daemon at "
                     f"{engine_address}, not to a client that connects to it"
                 )
-            tokenizer = None
-            self.client = AsyncMPClient(None, engine_address, token)
+            config, tokenizer = None, None
+        self.client: AsyncEngineCoreClient = AsyncEngineCoreClient.make_async_client(
+            config, engine_address, token
+        )
         self.config = self.client.engine_config
         self.model_config = self.config.model_config
         self.num_blocks = self.client.ready.num_blocks  # the KV cache's, as the core sized it
@@ -285,8 +283,7 @@ class AsyncLLM:
 
     def data_parallel_status(self) -> dict[str, Any] | None:
         """Each data-parallel rank's state and the failover counts (None without DP)."""
-        status = getattr(self.client, "data_parallel_status", None)
-        return status() if status is not None else None
+        return self.client.data_parallel_status()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -301,7 +298,7 @@ class AsyncLLM:
         self._finalizer()
 
 
-async def _output_handler(engine_ref: weakref.ref[AsyncLLM], client: AsyncMPClient) -> None:
+async def _output_handler(engine_ref: weakref.ref[AsyncLLM], client: AsyncEngineCoreClient) -> None:
     """Takes the core's outputs to the streams, holding the engine only weakly: once it is
     garbage, its finalizer shuts the core down."""
     while True:
@@ -319,6 +316,6 @@ async def _output_handler(engine_ref: weakref.ref[AsyncLLM], client: AsyncMPClie
         del engine
 
 
-def _shutdown(client: AsyncMPClient, tokenizer_thread: ThreadPoolExecutor) -> None:
+def _shutdown(client: AsyncEngineCoreClient, tokenizer_thread: ThreadPoolExecutor) -> None:
     tokenizer_thread.shutdown(wait=False, cancel_futures=True)
     client.shutdown()

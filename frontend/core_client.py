@@ -1,11 +1,12 @@
-"""Engine-core clients: how the frontend reaches EngineCore, behind one interface.
+"""Engine-core clients: how the blocking frontend (LLMEngine) reaches EngineCore, behind
+`EngineCoreClient` and its `make_client` factory; `MPClient`, the multiprocess part that the
+asyncio clients (frontend/async_core_client.py) share.
 
 `InprocClient` builds the EngineCore in the caller's process and steps it directly (for
 debugging and the torchrun external launcher). `SyncMPClient` spawns an engine-core process
 (or reaches a daemon) and talks to it over ZeroMQ with msgspec frames: requests go out on a
 DEALER socket, and a background thread receives outputs and utility results and sends a
-heartbeat every second. `AsyncMPClient` does the same from an asyncio event loop, which reads
-the output socket itself (no thread).
+heartbeat every second.
 If the core dies (it says why in a last message, or its process or connection is seen gone),
 every pending and later call raises `EngineDeadError` instead of hanging. While the core
 lives, every request sent gets a final output: the client keeps the ids of its unfinished
@@ -17,7 +18,6 @@ never waits without a deadline, also when it runs as a garbage collector's final
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -357,6 +357,17 @@ class MPClient:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
 
+    def _utility_timeout(self, method: str, timeout: float) -> TimeoutError:
+        return TimeoutError(
+            f"{method} got no answer from the engine core at {self.address} within {timeout:.0f} s"
+        )
+
+    @staticmethod
+    def _utility_value(method: str, result: UtilityResult) -> Any:
+        if result.error is not None:
+            raise RuntimeError(f"{method} failed in the engine core: {result.error}")
+        return result.result
+
     def _send_raw(self, frames: list, flags: int = 0) -> None:
         with self.send_lock:
             self.input_socket.send_multipart(frames, flags, copy=False)
@@ -537,171 +548,12 @@ class SyncMPClient(MPClient, EngineCoreClient):
                 except queue.Empty:
                     self._check_alive()
                     if time.monotonic() >= deadline:
-                        raise _utility_timeout(method, self.address, timeout) from None
+                        raise self._utility_timeout(method, timeout) from None
         finally:
             del self.utility_results[call_id]
         if isinstance(result, BaseException):
             raise result
-        return _utility_value(method, result)
-
-
-class AsyncMPClient(MPClient):
-    """Talks to an engine core in another process from an asyncio event loop: the loop reads
-    the output socket (and its monitor) itself, so no thread stands between a core's output
-    and the loop. Sends are non-blocking socket writes made on the loop's thread. One small
-    thread sends the heartbeats, so that a daemon keeps this client while no loop runs (between
-    two `asyncio.run` calls) or while the loop is busy. Call shutdown() from the loop's thread
-    (or with no loop running)."""
-
-    def __init__(
-        self,
-        config: EngineConfig | None,
-        engine_address: str | None = None,
-        auth_token: str = "",
-        env: dict[str, str] | None = None,
-    ) -> None:
-        self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
-        self.utility_futures: dict[int, asyncio.Future] = {}
-        self.tasks: list[asyncio.Task] = []
-        self.loop: asyncio.AbstractEventLoop | None = None
-        super().__init__(config, engine_address, auth_token, asyncio_mode=True, env=env)
-        self._start_thread(_heartbeat_thread, "async-mp-client-heartbeat")
-
-    def _ensure_started(self) -> None:
-        """Starts the receiving and watching tasks on the running loop (again if the client
-        is used from a new loop: `asyncio.run` twice)."""
-        loop = asyncio.get_running_loop()
-        if self.loop is loop:
-            return
-        for task in self.tasks:
-            task.cancel()
-        self.loop = loop
-        self.outputs = asyncio.Queue()
-        if self.dead is not None:
-            self._deliver(EngineDeadError(self.dead))
-            return
-        self.tasks = [
-            loop.create_task(self._guard(self._receive_loop()), name="async-mp-client-receive"),
-            loop.create_task(self._guard(self._watch_process()), name="async-mp-client-watch"),
-        ]
-
-    async def _guard(self, loop_coro: Any) -> None:
-        """Runs one of the client's loops; if it fails, the client is dead (rather than its
-        callers waiting for ever on outputs that nobody receives)."""
-        try:
-            await loop_coro
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.exception("the engine-core client failed")
-            self._die(f"the engine-core client failed: {type(e).__name__}: {e}")
-
-    async def _receive_loop(self) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(self.output_socket, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        while self.dead is None:
-            ready = dict(await poller.poll())
-            if self.output_socket in ready:
-                # Messages first: a dying core's last word arrives before its socket closes.
-                frames = await self.output_socket.recv_multipart(copy=False)
-                self._on_message(self._decode(frames))
-            elif self.monitor in ready:
-                await self.monitor.recv_multipart()
-                self._die(f"lost the connection to the engine core at {self.address}")
-
-    def _on_message(self, message: Any) -> None:
-        if isinstance(message, EngineDead):
-            self._die(f"the engine core died: {message.cause}")
-        elif isinstance(message, UtilityResult) and message.call_id in self.audits:
-            lost = self._on_audit(message)
-            if lost is not None:
-                self._deliver(lost)
-        elif isinstance(message, UtilityResult):
-            future = self.utility_futures.get(message.call_id)
-            if future is not None and not future.done():
-                future.set_result(message)
-        elif isinstance(message, Refused):
-            self._on_refused(message)
-        elif message is not None:
-            self._finished(message)
-            self._deliver(message)
-
-    def _deliver(self, item: EngineCoreOutputs | BaseException) -> None:
-        """Hands outputs (or the error that ends them all) to get_output_async's callers."""
-        if self.outputs is not None:
-            self.outputs.put_nowait(item)
-
-    async def _watch_process(self) -> None:
-        while self.dead is None and not self._process_died():
-            await asyncio.sleep(0.5)
-
-    def _die(self, reason: str) -> None:
-        if self.dead is not None:
-            return
-        super()._die(reason)
-        error = EngineDeadError(reason)
-        self._deliver(error)
-        for future in self.utility_futures.values():
-            if not future.done():
-                future.set_exception(error)
-
-    async def get_output_async(self) -> EngineCoreOutputs:
-        """The next message of outputs from the core; raises EngineDeadError once it is
-        gone."""
-        self._ensure_started()
-        assert self.outputs is not None
-        return await take_output_async(self.outputs)
-
-    async def call_utility_async(
-        self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S
-    ) -> Any:
-        self._ensure_started()
-        call_id = next(self.call_ids)
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.utility_futures[call_id] = future
-        try:
-            self._check_alive()
-            self._send(RequestType.UTILITY, UtilityCall(call_id, method, list(args)))
-            try:
-                result = await asyncio.wait_for(future, timeout)
-            except asyncio.TimeoutError:
-                raise _utility_timeout(method, self.address, timeout) from None
-        finally:
-            del self.utility_futures[call_id]
-        return _utility_value(method, result)
-
-    def stop_receiving(self) -> None:
-        """Cancels the client's tasks (from the loop's thread, or with no loop running)."""
-        for task in self.tasks:
-            task.cancel()
-        self.tasks = []
-
-    def shutdown(self) -> None:
-        self.stop_receiving()
-        super().shutdown()
-
-
-def _heartbeat_thread(client_ref: weakref.ref[AsyncMPClient], stop: threading.Event) -> None:
-    while not stop.wait(HEARTBEAT_INTERVAL_S):
-        client = client_ref()
-        if client is None or client.dead is not None:
-            return
-        client._heartbeat()
-        client._audit()
-        del client
-
-
-def _utility_timeout(method: str, address: str, timeout: float) -> TimeoutError:
-    return TimeoutError(
-        f"{method} got no answer from the engine core at {address} within {timeout:.0f} s"
-    )
-
-
-def _utility_value(method: str, result: UtilityResult) -> Any:
-    if result.error is not None:
-        raise RuntimeError(f"{method} failed in the engine core: {result.error}")
-    return result.result
+        return self._utility_value(method, result)
 
 
 def _output_thread(client_ref: weakref.ref[SyncMPClient], stop: threading.Event) -> None:
@@ -723,17 +575,6 @@ def take_output(
         return None
     if isinstance(result, BaseException):
         outputs.put(result)
-        raise result
-    return result
-
-
-async def take_output_async(
-    outputs: asyncio.Queue[EngineCoreOutputs | BaseException],
-) -> EngineCoreOutputs:
-    """take_output for an asyncio queue (no timeout: the caller cancels)."""
-    result = await outputs.get()
-    if isinstance(result, BaseException):
-        outputs.put_nowait(result)
         raise result
     return result
 

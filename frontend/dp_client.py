@@ -29,15 +29,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.frontend.async_core_client import (
+    AsyncEngineCoreClient,
+    AsyncMPClient,
+    take_output_async,
+)
 from tokenmill.frontend.core_client import (
     UTILITY_TIMEOUT_S,
-    AsyncMPClient,
     EngineCoreClient,
     EngineDeadError,
     SyncMPClient,
     continuation,
     take_output,
-    take_output_async,
 )
 from tokenmill.frontend.dp_ranks import REGISTRATION_WAIT_S, RankLauncher, launcher_for
 from tokenmill.frontend.dp_router import RankLoad, Router
@@ -400,7 +403,7 @@ class DPClient(_DataParallel, EngineCoreClient):
         return self._combine(method, results)
 
 
-class AsyncDPClient(_DataParallel):
+class AsyncDPClient(_DataParallel, AsyncEngineCoreClient):
     """Data parallelism for an asyncio loop (AsyncLLM): every rank client's receiving task
     runs on the loop and delivers into one asyncio queue."""
 

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hmac
 import logging
 import os
 import signal
@@ -29,34 +28,24 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pydantic
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException
+from fastapi import FastAPI
 
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.frontend.metrics import PrometheusStatLogger
-from tokenmill.frontend.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from tokenmill.frontend.server.serving import ServingError, _message_dict
+from tokenmill.frontend.server.auth import add_api_key_check
+from tokenmill.frontend.server.errors import ERROR_HANDLERS
+from tokenmill.frontend.server.routes import generate, health, models
 from tokenmill.frontend.server.serving_chat import OpenAIServingChat
 from tokenmill.frontend.server.serving_completion import OpenAIServingCompletion
+from tokenmill.frontend.server.state import ServerState
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import add_engine_args, engine_args_from
 from tokenmill.protocol.default_model import DEFAULT_MODEL
 from tokenmill.protocol.sockets import is_loopback_host
-from tokenmill.protocol.utils import short_repr
 
 logger = logging.getLogger("tokenmill.server")
 
-HEALTH_TIMEOUT_S = 5.0  # a core that cannot answer a health check this fast is unhealthy
 _LAG_PROBE_S = 0.01  # the event-loop lag probe's timer
 
 
@@ -68,221 +57,48 @@ def build_app(
     trust_request_chat_template: bool = False,
     model_root: str | None = None,
 ) -> FastAPI:
-    """model_root: what /v1/models reports as the served model's root (the model as the
-    user named it; by default its folder's name, never a path on this machine)."""
-    root = model_root or os.path.basename(engine.model_config.model.rstrip("/"))
-    completion = OpenAIServingCompletion(engine, model_name)
-    chat_serving = OpenAIServingChat(engine, model_name, trust_request_chat_template)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        # Everything made so far (the tokenizer, the app, imported modules) lives as long as
-        # the server: out of the collector's sight, a full collection no longer stalls the
-        # loop for a fifth of a second under load.
-        gc.collect()
-        gc.freeze()
-        probe = asyncio.ensure_future(_probe_loop_lag(stat_logger)) if stat_logger else None
-        yield
-        if probe is not None:
-            probe.cancel()
-
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
-
-    # ------------------------------------------------------------------ errors
-    @app.exception_handler(ServingError)
-    async def serving_error(_: Request, e: ServingError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_error(e).body(), status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return JSONResponse(ServingError(str(e.detail), e.status_code).body(), e.status_code)
-
-    @app.exception_handler(ValueError)
-    async def value_error(_: Request, e: ValueError) -> JSONResponse:
-        return JSONResponse(ServingError(str(e), 400).body(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        status = 503 if engine.dead is not None else 500
-        return JSONResponse(
-            ServingError(f"{type(e).__name__}: {e}", status).body(), status_code=status
-        )
-
+    """The server's app: its routes (server/routes/), the error bodies (server/errors.py) and,
+    with `api_key`, the key check (server/auth.py), over one ServerState. model_root: what
+    /v1/models reports as the served model's root (the model as the user named it; by default
+    its folder's name, never a path on this machine)."""
+    state = ServerState(
+        engine=engine,
+        model_name=model_name,
+        root=model_root or os.path.basename(engine.model_config.model.rstrip("/")),
+        completion=OpenAIServingCompletion(engine, model_name),
+        chat=OpenAIServingChat(engine, model_name, trust_request_chat_template),
+        stat_logger=stat_logger,
+        started=time.time(),
+    )
+    app = FastAPI(
+        title="tokenmill",
+        version=tokenmill.__version__,
+        lifespan=_lifespan,
+        exception_handlers=ERROR_HANDLERS,
+    )
+    app.state.server = state
     if api_key:
-
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next: Any) -> Response:
-            if request.url.path != "/health" and not _authorized(request, api_key):
-                error = ServingError("a valid API key is required (Authorization: Bearer)", 401)
-                return JSONResponse(error.body(), status_code=401)
-            return await call_next(request)
-
-    # --------------------------------------------------------------- endpoints
-    @app.get("/health")
-    async def health() -> Response:
-        """200 while the engine serves (empty, as vLLM's), 503 once it cannot. With data
-        parallelism the body lists every rank's state, and says "degraded" while some rank
-        is down (the others still serve)."""
-        if engine.dead is not None:
-            return Response(status_code=503)
-        try:
-            await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
-        except Exception:
-            return Response(status_code=503)
-        status = engine.data_parallel_status()
-        if status is None:
-            return Response(status_code=200)
-        state = "ok" if status["ranks_up"] == status["size"] else "degraded"
-        return JSONResponse({"status": state, "data_parallel": status})
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": tokenmill.__version__}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": int(started),
-                    "owned_by": "tokenmill",
-                    "root": root,
-                    "parent": None,
-                    "max_model_len": engine.model_config.max_model_len,
-                }
-            ],
-        }
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return _respond(await completion.completions(body, raw))
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
-        return _respond(await chat_serving.chat(body, raw))
-
-    @app.post("/invocations")
-    async def invocations(raw: Request) -> Response:
-        """SageMaker's route: a chat body (with messages) or a completions body (with a
-        prompt), told apart by its fields as vLLM does."""
-        try:
-            data = await raw.json()
-        except ValueError as e:
-            raise ServingError(f"the request body is not valid JSON: {e}", 400) from None
-        if not isinstance(data, dict) or not ({"messages", "prompt"} & data.keys()):
-            raise ServingError(
-                "an /invocations body needs messages (chat) or prompt (completions)", 400
-            )
-        kind = ChatCompletionRequest if "messages" in data else CompletionRequest
-        try:
-            body = kind.model_validate(data)
-        except pydantic.ValidationError as e:
-            raise RequestValidationError(
-                [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
-            ) from None
-        if isinstance(body, ChatCompletionRequest):
-            return _respond(await chat_serving.chat(body, raw))
-        return _respond(await completion.completions(body, raw))
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        completion.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise ServingError("give either prompt or messages", 400, "prompt")
-        if body.messages is not None:
-            messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
-            prompt = await engine.encode_chat(
-                messages,
-                None,
-                body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message,
-                **(body.chat_template_kwargs or {}),
-            )
-        else:
-            assert body.prompt is not None
-            prompt = await engine.encode_prompt(body.prompt, body.add_special_tokens)
-        tokens = prompt["prompt_token_ids"]
-        result: dict[str, Any] = {
-            "count": len(tokens),
-            "max_model_len": engine.model_config.max_model_len,
-            "tokens": tokens,
-            "token_strs": None,  # present as null when not asked for, as in vLLM
-        }
-        if body.return_token_strs:
-            result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
-        return result
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        completion.check_model(body.model)
-        vocab = engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise ServingError(f"tokens holds ids outside [0, {vocab}): {bad[:8]}", 400, "tokens")
-        return {"prompt": await engine.decode(body.tokens)}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        registry = stat_logger.registry if stat_logger is not None else None
-        if stat_logger is not None:
-            stat_logger.set_data_parallel(engine.data_parallel_status())
-        body = generate_latest(registry) if registry is not None else b""
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    started = time.time()
+        add_api_key_check(app, api_key)
+    app.include_router(health.router)
+    app.include_router(models.router)
+    app.include_router(generate.router)
     return app
 
 
-def _respond(result: Any) -> Response:
-    if isinstance(result, dict):
-        return JSONResponse(result)
-    return StreamingResponse(
-        result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
-def _authorized(request: Request, api_key: str) -> bool:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    given = token.strip().encode("utf-8", "surrogateescape")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given, api_key.encode())
-
-
-def _validation_error(e: RequestValidationError) -> ServingError:
-    """The first problem of a body that does not validate, naming the field and value."""
-    errors = e.errors()
-    if not errors:
-        return ServingError("the request body is not valid", 400)
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # A union type reports each alternative; the field is the first part of the location.
-    field = ".".join(p for p in loc if not _is_type_name(p)) or None
-    if first.get("type") == "json_invalid":
-        return ServingError(f"the request body is not valid JSON: {first.get('msg')}", 400)
-    if first.get("type") == "missing":
-        return ServingError(f"{field} is required", 400, field)
-    if first.get("type") == "extra_forbidden":
-        return ServingError(f"{field} is not a field of this request", 400, field)
-    value = first.get("input")
-    if field is None:  # the body as a whole: not a JSON object (or sent without its type)
-        return ServingError(
-            f"the request body must be a JSON object sent with Content-Type: "
-            f"application/json ({first.get('msg')}; got {short_repr(value)})",
-            400,
-        )
-    return ServingError(f"{field}: {first.get('msg')} (got {short_repr(value)})", 400, field)
-
-
-def _is_type_name(part: str) -> bool:
-    return any(c in part for c in "[]()") or part in ("str", "int", "float", "bool", "list")
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: ServerState = app.state.server
+    state.engine.start()
+    # Everything made so far (the tokenizer, the app, imported modules) lives as long as
+    # the server: out of the collector's sight, a full collection no longer stalls the
+    # loop for a fifth of a second under load.
+    gc.collect()
+    gc.freeze()
+    stat_logger = state.stat_logger
+    probe = asyncio.ensure_future(_probe_loop_lag(stat_logger)) if stat_logger else None
+    yield
+    if probe is not None:
+        probe.cancel()
 
 
 async def _probe_loop_lag(stat_logger: PrometheusStatLogger) -> None:

@@ -16,7 +16,8 @@ import pytest
 from helpers import raw_core_client, running_daemon
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.frontend.core_client import AsyncMPClient, SyncMPClient
+from tokenmill.frontend.async_core_client import AsyncMPClient
+from tokenmill.frontend.core_client import SyncMPClient
 from tokenmill.protocol.messages import (
     EngineCoreRequest,
     FinishReason,

@@ -1,0 +1,76 @@
+"""Routes about the served model: /v1/models (its names and max_model_len) and /tokenize and
+/detokenize (its tokenizer, with the chat template for messages).
+
+Included by build_app (server/app.py). Tokenizer work runs on AsyncLLM's tokenizer thread; a
+request naming another model, or a bad prompt or token id, raises ServingError (a 400 or 404).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from tokenmill.frontend.server.protocol import DetokenizeRequest, TokenizeRequest
+from tokenmill.frontend.server.serving import ServingError, _message_dict
+from tokenmill.frontend.server.state import State
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(state: State) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "tokenmill",
+                "root": state.root,
+                "parent": None,
+                "max_model_len": state.engine.model_config.max_model_len,
+            }
+        ],
+    }
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
+    engine = state.engine
+    state.completion.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ServingError("give either prompt or messages", 400, "prompt")
+    if body.messages is not None:
+        messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+        prompt = await engine.encode_chat(
+            messages,
+            None,
+            body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+    else:
+        assert body.prompt is not None
+        prompt = await engine.encode_prompt(body.prompt, body.add_special_tokens)
+    tokens = prompt["prompt_token_ids"]
+    result: dict[str, Any] = {
+        "count": len(tokens),
+        "max_model_len": engine.model_config.max_model_len,
+        "tokens": tokens,
+        "token_strs": None,  # present as null when not asked for, as in vLLM
+    }
+    if body.return_token_strs:
+        result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
+    return result
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, str]:
+    state.completion.check_model(body.model)
+    vocab = state.engine.model_config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ServingError(f"tokens holds ids outside [0, {vocab}): {bad[:8]}", 400, "tokens")
+    return {"prompt": await state.engine.decode(body.tokens)}

@@ -1,0 +1,37 @@
+"""What every route of the server shares: the engine, the served model's names and the two
+OpenAI servings, in one `ServerState` that build_app (server/app.py) puts on
+`app.state.server`. Routes (server/routes/) take it as a `State` parameter; nothing in it
+changes after the app is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.frontend.metrics import PrometheusStatLogger
+from tokenmill.frontend.server.serving_chat import OpenAIServingChat
+from tokenmill.frontend.server.serving_completion import OpenAIServingCompletion
+
+
+@dataclass(frozen=True)
+class ServerState:
+    engine: AsyncLLM
+    model_name: str  # the model's name in the API
+    root: str  # what /v1/models reports as the model's root (never a path on this machine)
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    stat_logger: PrometheusStatLogger | None
+    started: float  # when the app was built: the model's "created" in /v1/models
+
+
+async def server_state(request: Request) -> ServerState:
+    # A coroutine: FastAPI runs a plain function dependency on its thread pool, a thread hop
+    # on every request.
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(server_state)]
