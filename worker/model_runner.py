@@ -479,49 +479,61 @@ class ModelRunner:
             )
             if logits is not None:
                 with timer.stage("sample"):
-                    self._sample_and_propose(step, logits, inputs, output)
+                    sampled = self._sample(step, logits, inputs)
+                    self._logprobs(step, logits, sampled, inputs.top_logprobs, output)
+                    self._record(step, sampled, output)
+                    self._propose(step, output)
         output.step_times = timer.results()
         return output
 
-    def _sample_and_propose(
-        self,
-        step: PreparedStep,
-        logits: torch.Tensor,
-        inputs: StepInputs,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Samples (or verifies the proposals), records the tokens, their logprobs and the
-        next proposals in `output`."""
-        batch = self.input_batch
-        assert batch is not None and inputs.metadata is not None
-        sampling = step.sampling
+    def _sample(self, step: PreparedStep, logits: torch.Tensor, inputs: StepInputs) -> Sampled:
+        """The tokens each sampling request emits: one sample, or its verified proposals and
+        one more. Structured-output rows are first masked to what their grammar allows."""
+        assert inputs.metadata is not None
         if step.out.grammar_req_ids:
             owners = self._logit_owners(step)
             apply_grammar_bitmask(logits, [step.req_ids[i] for i in owners], step.out)
-        if step.num_drafts is None:
-            tokens_t = self.sampler(logits, inputs.metadata)
-            sampled = Sampled([[t] for t in tokens_t.cpu().tolist()], tokens_t,
-                              inputs.logprob_rows)  # fmt: skip
-        else:
-            sampled = self._verify(step, logits, inputs)
-        if sampled.logprob_rows:  # from the logits before the sampler's adjustments
-            at_t = to_device(sampled.logprob_rows, logits.device)
-            owners = self._logit_owners(step)
-            output.logprobs = compute_logprobs(
-                logits[at_t], sampled.tokens_t[at_t], inputs.top_logprobs
-            )
-            output.logprobs_req_ids = [step.req_ids[owners[i]] for i in sampled.logprob_rows]
-        request_rows = step.layout.rows[step.samples]
-        batch.append_token_lists(request_rows, sampled.token_lists)
-        for i, tokens in zip(sampling, sampled.token_lists):
+        if step.num_drafts is not None:
+            return self._verify(step, logits, inputs)
+        tokens_t = self.sampler(logits, inputs.metadata)
+        token_lists = [[t] for t in tokens_t.cpu().tolist()]
+        return Sampled(token_lists, tokens_t, inputs.logprob_rows)
+
+    def _logprobs(
+        self,
+        step: PreparedStep,
+        logits: torch.Tensor,
+        sampled: Sampled,
+        top_k: int,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """The emitted tokens' logprobs, from the logits before the sampler's adjustments."""
+        if not sampled.logprob_rows:
+            return
+        at_t = to_device(sampled.logprob_rows, logits.device)
+        output.logprobs = compute_logprobs(logits[at_t], sampled.tokens_t[at_t], top_k)
+        owners = self._logit_owners(step)
+        output.logprobs_req_ids = [step.req_ids[owners[i]] for i in sampled.logprob_rows]
+
+    def _record(self, step: PreparedStep, sampled: Sampled, output: ModelRunnerOutput) -> None:
+        """Appends the emitted tokens to the batch's record and to the output."""
+        batch = self.input_batch
+        assert batch is not None
+        batch.append_token_lists(step.layout.rows[step.samples], sampled.token_lists)
+        for i, tokens in zip(step.sampling, sampled.token_lists):
             output.sampled_token_ids[i] = tokens
-        if step.out.propose and self.proposer is not None and sampling:
-            # Every request may speculate: the sampler adjusts each verified position's
-            # logits by what comes before it, proposed tokens included.
-            proposals = self.proposer.propose_rows(batch, request_rows)
-            output.spec_token_ids = {
-                step.req_ids[i]: p for i, p in zip(sampling, proposals) if p
-            }
+
+    def _propose(self, step: PreparedStep, output: ModelRunnerOutput) -> None:
+        """The proposals for the requests that sampled, for the next step to verify. Every
+        one may speculate: the sampler adjusts each verified position's logits by what comes
+        before it, proposed tokens included (penalties, bad words, min_tokens, a grammar's
+        mask from the core)."""
+        batch, sampling = self.input_batch, step.sampling
+        assert batch is not None
+        if not step.out.propose or self.proposer is None or not sampling:
+            return
+        proposals = self.proposer.propose_rows(batch, step.layout.rows[step.samples])
+        output.spec_token_ids = {step.req_ids[i]: p for i, p in zip(sampling, proposals) if p}
 
     def _take_inputs(self, step: PreparedStep) -> StepInputs:
         """Reads the input tokens and the sampling state from the batch, then lets the next
