@@ -37,7 +37,8 @@ from tokenmill.protocol.messages import (
     FinishReason,
     SchedulerStats,
 )
-from tokenmill.protocol.scheduler_output import SchedulerOutput
+from tokenmill.protocol.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.protocol.utils import StageTimes
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,7 @@ class EngineCore:
         self._last_update = 0.0  # perf_counter() when a step was last updated
         self._stats = _StepStats()
         # With TOKENMILL_STEP_TIMING: seconds per stage, summed over steps (see envs).
-        self.step_timing = envs.TOKENMILL_STEP_TIMING
-        self.step_times: dict[str, float] = {}
-        self.num_timed_steps = 0
+        self.timing = StageTimes(envs.TOKENMILL_STEP_TIMING)
         # Seconds of start-up by stage (get_stats; scripts/startup_time.py prints them).
         self.startup_s = {
             "workers + torch + model": loaded - start,
@@ -266,20 +265,15 @@ class EngineCore:
         return self._collect()
 
     def _schedule(self) -> SchedulerOutput:
-        start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
-        if self.step_timing:
-            self.add_step_time("schedule", time.perf_counter() - start)
-        return scheduler_output
+        with self.timing.stage("schedule"):
+            return self.scheduler.schedule()
 
     def _fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         if self._grammar_req_ids:
-            start = time.perf_counter()
-            self.structured.fill_bitmask(
-                scheduler_output, self._grammar_req_ids, self.scheduler.requests
-            )
-            if self.step_timing:
-                self.add_step_time("schedule", time.perf_counter() - start)
+            with self.timing.stage("schedule"):
+                self.structured.fill_bitmask(
+                    scheduler_output, self._grammar_req_ids, self.scheduler.requests
+                )
 
     def _waits_for_grammar_token(self, scheduler_output: SchedulerOutput) -> bool:
         """Whether a constrained request of this step still waits for its last token (its
@@ -316,32 +310,40 @@ class EngineCore:
         if self._batches and self._batches[0].forward_number:
             # Let the next step's inputs be prepared before this update takes the GIL.
             self.executor.wait_for_forward(self._batches[0].forward_number, _FORWARD_WAIT_S)
-        executed = time.perf_counter()
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        # The step's share of the time: since it was submitted, or, overlapped, since the
-        # step before it was updated.
-        now = time.perf_counter()
-        self.scheduler.record_step_time(
-            scheduler_output, runner_output, now - max(submitted, self._last_update)
-        )
-        self._last_update = now
-        if self._grammar_req_ids:
-            for out in outputs.outputs:
-                if out.finished:
-                    self._grammar_req_ids.discard(out.request_id)
-        if self.step_timing:
-            runner_times = runner_output.step_times or {}
-            for stage, seconds in runner_times.items():
-                self.add_step_time(stage, seconds)
-            if self.async_scheduling:  # how long the core waited for the workers
-                self.add_step_time("wait", executed - start)
-            else:  # whatever the runner did not time: the executor's transport, mostly
-                runner = sum(runner_times.values())
-                self.add_step_time("executor", executed - submitted - runner)
-            self.add_step_time("update", time.perf_counter() - executed)
-            self.num_timed_steps += 1
+        self._time_execution(runner_output, submitted, start)
+        with self.timing.stage("update"):
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            # The step's share of the time: since it was submitted, or, overlapped, since
+            # the step before it was updated.
+            now = time.perf_counter()
+            self.scheduler.record_step_time(
+                scheduler_output, runner_output, now - max(submitted, self._last_update)
+            )
+            self._last_update = now
+            if self._grammar_req_ids:
+                for out in outputs.outputs:
+                    if out.finished:
+                        self._grammar_req_ids.discard(out.request_id)
+        self.timing.num_steps += 1
         self._stats.record(self, scheduler_output, outputs)
         return outputs
+
+    def _time_execution(
+        self, runner_output: ModelRunnerOutput, submitted: float, waited: float
+    ) -> None:
+        """With step timing: the runner's stages, and how long the core waited for the
+        workers (async scheduling) or what the runner did not time (the executor's
+        transport, mostly)."""
+        if not self.timing.on:
+            return
+        executed = time.perf_counter()
+        runner_times = runner_output.step_times or {}
+        for stage, seconds in runner_times.items():
+            self.timing.add(stage, seconds)
+        if self.async_scheduling:
+            self.timing.add("wait", executed - waited)
+        else:
+            self.timing.add("executor", executed - submitted - sum(runner_times.values()))
 
     def make_stats(self) -> SchedulerStats:
         scheduler = self.scheduler
@@ -382,14 +384,11 @@ class EngineCore:
             "startup_s": dict(self.startup_s),
             "model_memory": dict(self.model_memory),
             **(
-                {"step_time_s": dict(self.step_times), "num_timed_steps": self.num_timed_steps}
-                if self.step_timing
+                {"step_time_s": dict(self.timing.times), "num_timed_steps": self.timing.num_steps}
+                if self.timing.on
                 else {}
             ),
         }
-
-    def add_step_time(self, stage: str, seconds: float) -> None:
-        self.step_times[stage] = self.step_times.get(stage, 0.0) + seconds
 
     def check_health(self) -> bool:
         self.executor.check_health()

@@ -298,10 +298,8 @@ class EngineCoreProc:
                     outputs = core.step()
                 except Exception as e:  # logged with the step's summary by EngineCore
                     self._die(f"{type(e).__name__}: {e}")
-                routed = time.perf_counter()
-                self._route(outputs)
-                if core.step_timing:
-                    core.add_step_time("output", time.perf_counter() - routed)
+                with core.timing.stage("output"):
+                    self._route(outputs)
 
     def _refuse_hellos(self, seconds: float) -> None:
         """After a failed start: answer waiting clients with the error, then stop."""

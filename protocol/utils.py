@@ -4,6 +4,9 @@ error messages."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -18,3 +21,30 @@ def short_repr(value: object, limit: int = 200) -> str:
     """repr(value), cut to `limit` characters (error messages quote what a client sent)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class StageTimes:
+    """Seconds per stage of a loop, summed over its steps (TOKENMILL_STEP_TIMING): timed
+    around the stages (`with times.stage("schedule"): ...`), never inside them. Off, a stage
+    is a no-op."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.times: dict[str, float] = {}
+        self.num_steps = 0
+
+    def stage(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self._timed(name) if self.on else _UNTIMED
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        if self.on:
+            self.times[name] = self.times.get(name, 0.0) + seconds
+
+
+_UNTIMED = contextlib.nullcontext()

@@ -138,7 +138,7 @@ def measure(core: EngineCore, num_requests: int, forward_ms: float, steps: int,
         core.step()  # admit everyone and finish their prompts
     core.step()
     encoder = Encoder()
-    before = dict(core.step_times)
+    before = dict(core.timing.times)
     h2d_bytes, h2d_copies = H2D.bytes, H2D.copies
     output_s = 0.0
     start = time.perf_counter()
@@ -152,7 +152,7 @@ def measure(core: EngineCore, num_requests: int, forward_ms: float, steps: int,
     core.abort_requests([f"r{forward_ms}-{i}" for i in range(num_requests)])
     while core.has_unfinished_requests():  # the steps still in flight
         core.step()
-    split = {s: (core.step_times.get(s, 0.0) - before.get(s, 0.0)) / steps for s in STAGES}
+    split = {s: (core.timing.times.get(s, 0.0) - before.get(s, 0.0)) / steps for s in STAGES}
     split["output"] = output_s / steps
     split["step"] = wall / steps
     # (A worker in a process of its own counts there: main() prints nan for it.)
