@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tokenmill.protocol import envs
-from tokenmill.protocol.cpu_features import native_bf16
 from tokenmill.protocol.default_model import resolve_model
+from tokenmill.protocol.device_defaults import DeviceDefaults, device_defaults, has_triton
 from tokenmill.protocol.model_registry import check_architecture
 
 _DTYPES = {
@@ -43,7 +42,9 @@ def _check(ok: bool, name: str, value: Any, expected: str) -> None:
 class ModelConfig:
     """The model: where it lives, how it runs, and its architecture as config.json gives it.
 
-    config.json is read here and nowhere else; the models are built from these fields."""
+    config.json is read here and nowhere else. The fields below are what the engine as a whole
+    needs; `hf_text_config` keeps config.json's text part as read, from which each model
+    family parses its own fields in its model file (worker/models/)."""
 
     model: str  # local folder with config.json + weights
     tokenizer: str
@@ -77,21 +78,9 @@ class ModelConfig:
     # The rope of the sliding layers where it differs from `rope_parameters` (Gemma 3's
     # local base frequency).
     sliding_rope_parameters: dict[str, Any] | None = None
-    # Gemma: attention scores scaled by query_pre_attn_scalar ** -0.5 (not head_size's), and
-    # Gemma 2's soft-capping of attention scores and of the final logits.
-    query_pre_attn_scalar: float | None = None
-    attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
-    # Mixture of experts (Qwen3-MoE, Mixtral): experts per sparse layer (0: a dense model),
-    # experts per token, each expert's intermediate size, whether the top-k weights are
-    # renormalized, and which layers are sparse (every decoder_sparse_step-th, except
-    # mlp_only_layers, which keep a dense MLP of intermediate_size).
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
+    # config.json's text config (its `text_config` where it has one), as read: plain JSON
+    # data, so that it crosses to worker processes with the rest of the config.
+    hf_text_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     # How the checkpoint's weights are stored and run: None (as the dtype says) or "gguf"
     # (llama.cpp's block formats, from the folder's model.gguf; worker/layers/quantization/).
     quantization: str | None = None
@@ -103,14 +92,6 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
-
-    def is_sparse(self, layer: int) -> bool:
-        """Whether layer `layer`'s MLP is a mixture of experts."""
-        return (
-            self.num_experts > 0
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
 
     @property
     def long_rope_threshold(self) -> int | None:
@@ -428,7 +409,7 @@ class EngineArgs:
     load_format: str = "auto"
     quantization: str | None = None  # None: "gguf" for a GGUF model, else none
     device: str = "auto"
-    attention_backend: str | None = None  # None: TRITON_ATTN on CUDA, TORCH_SDPA on the CPU
+    attention_backend: str | None = None  # None: the device's (protocol/device_defaults.py)
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
     generation_config: str = "auto"  # "auto" (the model's file) | "vllm" (none) | a folder
@@ -440,9 +421,10 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         device = resolve_device(self.device)
+        defaults = device_defaults(device)
         model_path = resolve_model(self.model)
         hf = json.loads((Path(model_path) / "config.json").read_text())
-        model_config = _model_config(self, model_path, hf, device)
+        model_config = _model_config(self, model_path, hf, defaults)
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
@@ -475,17 +457,17 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
-                async_scheduling=_async_scheduling(self, device),
+                async_scheduling=_async_scheduling(self, defaults),
             ),
             parallel_config=_parallel_config(self, model_config),
-            device_config=_device_config(self, device),
+            device_config=_device_config(self, defaults),
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
-            speculative_config=_speculative_config(self, model_config, device),
+            speculative_config=_speculative_config(self, model_config, defaults),
         )
 
 
 def _speculative_config(
-    args: EngineArgs, target: ModelConfig, device: str
+    args: EngineArgs, target: ModelConfig, defaults: DeviceDefaults
 ) -> SpeculativeConfig | None:
     """The user's speculative_config; for a draft model, with the draft's config, which must
     share the target's vocabulary and reach its max_model_len."""
@@ -496,7 +478,7 @@ def _speculative_config(
     path = resolve_model(spec.model)
     hf = json.loads((Path(path) / "config.json").read_text())
     draft_args = dataclasses.replace(args, max_model_len=None, tokenizer=target.tokenizer)
-    draft = _model_config(draft_args, path, hf, device)
+    draft = _model_config(draft_args, path, hf, defaults)
     draft = dataclasses.replace(draft, dtype=target.dtype)
     _check(draft.vocab_size == target.vocab_size, "speculative_config.model", spec.model,
            f"a model with the target's vocabulary ({target.vocab_size} tokens, not "
@@ -507,13 +489,12 @@ def _speculative_config(
     return dataclasses.replace(spec, model=path, draft_model_config=draft)
 
 
-def _async_scheduling(args: EngineArgs, device: str) -> bool:
-    """vLLM's default where it pays: a GPU step is short enough for the core's CPU work to
-    matter. On the CPU the forward dwarfs it, and the overlap costs a thread (measured in
-    scripts/bench_throughput.py --async-scheduling both). With speculative decoding the
-    steps that propose or verify tokens are not overlapped (see EngineCore)."""
+def _async_scheduling(args: EngineArgs, defaults: DeviceDefaults) -> bool:
+    """On by default where the device's forward leaves the host free (`overlaps_steps` of
+    protocol/device_defaults.py: CUDA). With speculative decoding the steps that propose or
+    verify tokens are not overlapped (see EngineCore)."""
     if args.async_scheduling is None:
-        return device == "cuda"
+        return defaults.overlaps_steps
     _check(isinstance(args.async_scheduling, bool), "async_scheduling", args.async_scheduling,
            "True, False or None")  # fmt: skip
     return args.async_scheduling
@@ -550,17 +531,16 @@ def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
     return parallel
 
 
-def _device_config(args: EngineArgs, device: str) -> DeviceConfig:
+def _device_config(args: EngineArgs, defaults: DeviceDefaults) -> DeviceConfig:
+    device = defaults.device_type
     backend = args.attention_backend
-    if backend is None and device == "cuda":
-        backend = "TRITON_ATTN" if _has_triton() else "TORCH_SDPA"
-    elif backend is None:
-        backend = "CPU_ATTN" if envs.TOKENMILL_CPU_KERNELS else "TORCH_SDPA"
+    if backend is None:
+        backend = defaults.default_attention_backend()
     known = isinstance(backend, str) and backend.upper() in ATTENTION_BACKENDS
     expected = f"None or one of {list(ATTENTION_BACKENDS)}"
     _check(known, "attention_backend", args.attention_backend, expected)
     backend = backend.upper()
-    if backend == "TRITON_ATTN" and not _has_triton():
+    if backend == "TRITON_ATTN" and not has_triton():
         raise ValueError("attention_backend='TRITON_ATTN' needs triton (pip install triton)")
     if backend == "CPU_ATTN" and device != "cpu":
         raise ValueError(f"attention_backend='CPU_ATTN' runs on the CPU, not on {device}")
@@ -579,12 +559,6 @@ def _device_config(args: EngineArgs, device: str) -> DeviceConfig:
         enforce_eager=args.enforce_eager,
         cudagraph_capture_sizes=tuple(sorted(set(sizes))),
     )
-
-
-def _has_triton() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_device(device: str) -> str:
@@ -606,20 +580,17 @@ def _may_have_cuda() -> bool:
     return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"))
 
 
-def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> str:
+def _resolve_dtype(dtype: str, hf: dict[str, Any], defaults: DeviceDefaults) -> str:
     if dtype == "auto":
-        if device == "cpu":
-            # bf16 where the CPU multiplies bf16 natively (as vLLM's CPU backend chooses);
-            # elsewhere bf16 matmuls are emulated and 3-5x slower than fp32, and fp16 is
-            # slow on every CPU without AVX512-FP16.
-            return "bfloat16" if native_bf16() else "float32"
-        declared = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
-        return "bfloat16" if declared == "float32" else _DTYPES.get(declared, "bfloat16")
+        declared = hf.get("dtype") or hf.get("torch_dtype")
+        return defaults.auto_dtype(_DTYPES.get(declared, "bfloat16"))
     _check(dtype in _DTYPES, "dtype", dtype, f'"auto" or one of {sorted(_DTYPES)}')
     return _DTYPES[dtype]
 
 
-def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) -> ModelConfig:
+def _model_config(
+    args: EngineArgs, path: str, hf: dict[str, Any], defaults: DeviceDefaults
+) -> ModelConfig:
     text = hf.get("text_config", hf)
     architectures = hf.get("architectures") or []
     if not architectures:
@@ -645,7 +616,7 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
     return ModelConfig(
         model=path,
         tokenizer=resolve_model(args.tokenizer) if args.tokenizer else path,
-        dtype=_resolve_dtype(args.dtype, hf, device),
+        dtype=_resolve_dtype(args.dtype, hf, defaults),
         seed=args.seed,
         max_model_len=max_len,
         architecture=architectures[0],
@@ -668,16 +639,7 @@ def _model_config(args: EngineArgs, path: str, hf: dict[str, Any], device: str) 
         layer_types=layer_types,
         sliding_window=window,
         sliding_rope_parameters=sliding_rope,
-        query_pre_attn_scalar=_optional_float(text.get("query_pre_attn_scalar")),
-        attn_logit_softcapping=_optional_float(text.get("attn_logit_softcapping")),
-        final_logit_softcapping=_optional_float(text.get("final_logit_softcapping")),
-        # (Mixtral names them num_local_experts and intermediate_size)
-        num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0),
-        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(text.get("moe_intermediate_size") or text["intermediate_size"]),
-        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-        decoder_sparse_step=int(text.get("decoder_sparse_step") or 1),
-        mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
+        hf_text_config=text,
         skip_tokenizer_init=args.skip_tokenizer_init,
         max_logprobs=args.max_logprobs,
         sampling_defaults=sampling_defaults(args.generation_config, path),
@@ -789,10 +751,6 @@ def _sliding_layers(text: dict[str, Any]) -> tuple[tuple[str, ...], int | None]:
     _check(len(kinds) == text["num_hidden_layers"], "layer_types", kinds,
            f"one entry per layer ({text['num_hidden_layers']})")  # fmt: skip
     return tuple(kinds), int(window)
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:

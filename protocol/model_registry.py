@@ -5,8 +5,8 @@ worker's loader imports the class from it.
 
 Adding a family: its model file in worker/models/ (built from the typed ModelConfig, its
 parameter names as HF's checkpoint names, q/k/v and gate/up fused through
-`packed_modules_mapping`), a line here, and, only where it needs config.json fields the
-config does not read yet, those fields in protocol/config.py (`ModelConfig`, `_model_config`).
+`packed_modules_mapping`, its own config.json fields parsed there from
+`ModelConfig.hf_text_config`) and a line here.
 """
 
 from __future__ import annotations

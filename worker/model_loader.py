@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.device_defaults import has_triton
 from tokenmill.worker.attention.base import AttentionBackend
 from tokenmill.worker.layers.linear import default_weight_loader
 from tokenmill.worker.models import get_model_class
@@ -89,9 +90,7 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
 def _triton_matmuls(device: torch.device) -> bool:
     """Whether quantized layers run Triton's matmuls (kernels/quantized.py): on CUDA, with
     triton installed."""
-    import importlib.util
-
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return device.type == "cuda" and has_triton()
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:

@@ -12,8 +12,9 @@ The worker and its model runner ask their platform instead of testing `device.ty
 - CUDA: one device per local rank, steps overlap (the forward leaves the host free), decode
   CUDA graphs, pinned staging of a step's inputs (worker/staging.py), the KV budget is what a
   profiled step leaves of the GPU, nccl all-reduces.
-Kernel-level choices (Triton tile sizes, the rejection kernel, the sampler's chunking) stay
-with their kernels.
+The choices that are plain data (collectives, step overlap, graphs, staging) live in
+protocol/device_defaults.py, which the engine config's defaults read too. Kernel-level choices
+(Triton tile sizes, the rejection kernel, the sampler's chunking) stay with their kernels.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import CacheConfig
+from tokenmill.protocol.device_defaults import DeviceDefaults, device_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +51,33 @@ ONEDNN_KERNEL_CACHE = 2048
 
 
 class Platform:
-    device_type: str
-    dist_backend: str
-    # Whether steps overlap by default under async scheduling: only where the forward leaves
-    # the host's cores free.
-    overlaps_steps: bool
-    # Whether decode steps can be replayed from CUDA graphs.
-    has_graphs: bool
-    # Whether Triton kernels run in the interpreter (tests only: slow).
-    triton_interpreted: bool
-    # Whether a step's inputs go through a pinned host buffer, copied asynchronously
-    # (worker/staging.py); otherwise tensors are views of the host arrays.
-    pinned_staging: bool
+    # The device kind's data-only choices; the properties below read them.
+    defaults: DeviceDefaults
+
+    @property
+    def device_type(self) -> str:
+        return self.defaults.device_type
+
+    @property
+    def dist_backend(self) -> str:
+        return self.defaults.dist_backend
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether steps overlap by default under async scheduling."""
+        return self.defaults.overlaps_steps
+
+    @property
+    def has_graphs(self) -> bool:
+        return self.defaults.has_graphs
+
+    @property
+    def triton_interpreted(self) -> bool:
+        return self.defaults.triton_interpreted
+
+    @property
+    def pinned_staging(self) -> bool:
+        return self.defaults.pinned_staging
 
     def device(self, local_rank: int) -> torch.device:
         raise NotImplementedError
@@ -119,12 +136,7 @@ class Platform:
 
 
 class CpuPlatform(Platform):
-    device_type = "cpu"
-    dist_backend = "gloo"
-    overlaps_steps = False
-    has_graphs = False
-    triton_interpreted = True
-    pinned_staging = False
+    defaults = device_defaults("cpu")
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
@@ -217,12 +229,7 @@ class CpuPlatform(Platform):
 
 
 class CudaPlatform(Platform):
-    device_type = "cuda"
-    dist_backend = "nccl"
-    overlaps_steps = True
-    has_graphs = True
-    triton_interpreted = False
-    pinned_staging = True
+    defaults = device_defaults("cuda")
 
     def __init__(self) -> None:
         # Per device, what it held when this process's engine began (init_process).

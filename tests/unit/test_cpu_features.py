@@ -10,7 +10,7 @@ import platform
 import pytest
 import torch
 
-from tokenmill.protocol import config as config_module
+from tokenmill.protocol import device_defaults
 from tokenmill.protocol.config import EngineArgs
 from tokenmill.protocol.cpu_features import cpu_flags, native_bf16
 
@@ -61,7 +61,7 @@ def test_this_machine_agrees_with_torch() -> None:
 
 @pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
 def test_cpu_auto_dtype(tiny_model, monkeypatch, native: bool, expected: str) -> None:
-    monkeypatch.setattr(config_module, "native_bf16", lambda: native)
+    monkeypatch.setattr(device_defaults, "native_bf16", lambda: native)
     args = EngineArgs(model=str(tiny_model("llama-gqa")), device="cpu")
     assert args.create_engine_config().model_config.dtype == expected
     # An explicit dtype is never overridden.

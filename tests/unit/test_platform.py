@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from tokenmill.protocol.config import CacheConfig
+from tokenmill.protocol.config import CacheConfig, EngineArgs
+from tokenmill.protocol.device_defaults import device_defaults
 from tokenmill.worker.platform import CpuPlatform, CudaPlatform, platform_of
 
 
@@ -16,6 +20,20 @@ def test_each_device_type_has_its_platform_and_others_are_refused_by_name() -> N
         ValueError, match=r"device 'xpu' is not supported \(supported: \['cpu', 'cuda'\]\)"
     ):
         platform_of("xpu")
+
+
+def test_engine_defaults_and_platforms_read_one_torch_free_table(tiny_model) -> None:
+    """protocol/device_defaults.py decides per device kind: the engine config's defaults and
+    the platform objects read it, and protocol/ loads without torch (the frontend's start)."""
+    model = str(tiny_model("llama-gqa"))
+    for kind in ("cpu", "cuda"):
+        defaults = device_defaults(kind)
+        assert platform_of(kind).defaults is defaults
+        config = EngineArgs(model=model, device=kind).create_engine_config()
+        assert config.scheduler_config.async_scheduling == defaults.overlaps_steps
+        assert config.device_config.attention_backend == defaults.default_attention_backend()
+    code = "import sys; sys.modules['torch'] = None; import tokenmill.protocol.config"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cpu_choices() -> None:

@@ -10,10 +10,14 @@
   alternate layers;
 - Gemma 3: per-head q/k norms, a local:global layer pattern (`layer_types`) where the sliding
   layers rotate with their own base frequency (two rotary tables), no soft-capping.
-Parameter names are HF's (q/k/v and gate/up fused as in the Llama family).
+Parameter names are HF's (q/k/v and gate/up fused as in the Llama family). Gemma's own
+config.json fields are parsed here (`GemmaConfig`), from ModelConfig.hf_text_config.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,30 @@ from tokenmill.worker.layers.linear import (
 )
 from tokenmill.worker.layers.rotary import RotaryEmbedding, StepRotation
 from tokenmill.worker.models.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class GemmaConfig:
+    """Gemma's fields of config.json that the engine as a whole does not need."""
+
+    # Attention scores scaled by query_pre_attn_scalar ** -0.5 (None: head_size's).
+    query_pre_attn_scalar: float | None
+    # Gemma 2's soft-capping of the attention scores and of the final logits (None: none).
+    attn_logit_softcapping: float | None
+    final_logit_softcapping: float | None
+
+    @classmethod
+    def parse(cls, config: ModelConfig) -> GemmaConfig:
+        text = config.hf_text_config
+        return cls(
+            query_pre_attn_scalar=_optional_float(text.get("query_pre_attn_scalar")),
+            attn_logit_softcapping=_optional_float(text.get("attn_logit_softcapping")),
+            final_logit_softcapping=_optional_float(text.get("final_logit_softcapping")),
+        )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -70,7 +98,12 @@ class GeluTanhAndMul(CustomOp):
 
 class GemmaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, layer: int, qk_norm: bool
+        self,
+        config: ModelConfig,
+        gemma: GemmaConfig,
+        backend: AttentionBackend,
+        layer: int,
+        qk_norm: bool,
     ) -> None:
         super().__init__()
         hidden, self.head_size = config.hidden_size, config.head_size
@@ -85,11 +118,11 @@ class GemmaAttention(nn.Module):
         eps = config.rms_norm_eps
         self.q_norm = GemmaRMSNorm(self.head_size, eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_size, eps) if qk_norm else None
-        scalar = config.query_pre_attn_scalar or self.head_size
+        scalar = gemma.query_pre_attn_scalar or self.head_size
         self.attn = Attention(
             self.num_heads, self.head_size, self.num_kv_heads, scalar**-0.5, backend,
             sliding_window=config.window_of(layer),
-            logit_softcap=config.attn_logit_softcapping,
+            logit_softcap=gemma.attn_logit_softcapping,
         )  # fmt: skip
 
     def forward(self, rope: StepRotation, x: torch.Tensor) -> torch.Tensor:
@@ -121,11 +154,16 @@ class GemmaMLP(nn.Module):
 
 class GemmaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, layer: int, qk_norm: bool
+        self,
+        config: ModelConfig,
+        gemma: GemmaConfig,
+        backend: AttentionBackend,
+        layer: int,
+        qk_norm: bool,
     ) -> None:
         super().__init__()
         self.sliding = config.is_sliding(layer)
-        self.self_attn = GemmaAttention(config, backend, layer, qk_norm)
+        self.self_attn = GemmaAttention(config, gemma, backend, layer, qk_norm)
         self.mlp = GemmaMLP(config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
@@ -152,12 +190,16 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, gemma: GemmaConfig, backend: AttentionBackend, qk_norm: bool
+    ) -> None:
         super().__init__()
+        self.gemma = gemma
         self.hidden_size = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, backend, i, qk_norm) for i in range(config.num_hidden_layers)
+            GemmaDecoderLayer(config, gemma, backend, i, qk_norm)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         max_pos = config.max_position_embeddings
@@ -189,10 +231,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__(config, backend)
-        self.final_softcap = config.final_logit_softcapping
+        self.final_softcap = self.model.gemma.final_logit_softcapping
 
     def build_model(self, config: ModelConfig, backend: AttentionBackend) -> nn.Module:
-        return GemmaModel(config, backend, self.qk_norm)
+        return GemmaModel(config, GemmaConfig.parse(config), backend, self.qk_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -2,7 +2,7 @@
 layer), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and Phi-3
 (q/k/v and gate/up fused in the checkpoint, LongRoPE).
 
-Built from the typed `ModelConfig` (config.json is parsed once, in protocol/config.py);
+Built from the typed `ModelConfig` (config.json is read once, in protocol/config.py);
 module and parameter names follow HF's so that the loader maps checkpoint names directly,
 except q/k/v and gate/up, which are fused (`packed_modules_mapping`). `forward(input_ids,
 positions)` takes the flattened batch and returns hidden states; `compute_logits` runs the LM
