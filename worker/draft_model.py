@@ -156,8 +156,8 @@ class DraftModel(Proposer):
             order = np.argsort(query_lens != 1, kind="stable")
             left, query_lens = left[order], query_lens[order]
             layout = TokenLayout.of(rows[left], start[left], query_lens)
-            best = self._forward(batch, layout, batch.token_ids[layout.token_rows,
-                                                                layout.positions])  # fmt: skip
+            ids = batch.token_ids[layout.token_rows, layout.positions]
+            best = self._forward(batch, layout, ids)
             start[left] += query_lens
             ends = start[left] == num_tokens[left]
             first[left[ends]] = best[ends]
@@ -166,8 +166,8 @@ class DraftModel(Proposer):
         """One draft forward over the layout's tokens (input ids `ids`), writing their K/V;
         the draft's argmax after each request's last one."""
         assert self.model is not None
-        inputs = layout.attention_inputs(batch.block_table, self.block_size, self.device,
-                                         self.dtype)  # fmt: skip
+        table = batch.block_table
+        inputs = layout.attention_inputs(table, self.block_size, self.device, self.dtype)
         ids_t = to_device(ids, self.device)
         positions_t = to_device(layout.positions, self.device)
         with set_forward_context(self.backend.build_metadata(inputs)):

@@ -31,6 +31,7 @@ from tokenmill.worker.attention.registry import make_attention_backend
 from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.layers.custom_op import layer_kernels
+from tokenmill.worker.layers.rotary import LongRope
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.platform import platform_of
 from tokenmill.worker.proposer import make_proposer
@@ -83,7 +84,7 @@ class ModelRunner:
         self.use_triton = config.device_config.attention_backend == "TRITON_ATTN"
         self.attn_backend = make_attention_backend(config, device)
         self.model: torch.nn.Module | None = None
-        self.long_rope: tuple[int, int] | None = None  # set once the model is loaded
+        self.long_rope: LongRope | None = None  # set once the model is loaded
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -123,7 +124,7 @@ class ModelRunner:
             self.model = get_model(self.config, self.device, self.attn_backend)
             if self.proposer is not None:
                 self.proposer.load()
-        # LongRoPE's (threshold, offset of the long rotary rows), see _rope_positions.
+        # LongRoPE's rule for the rotary table's rows, see _rope_positions.
         self.long_rope = getattr(self.model, "long_rope", None)
         self.platform.after_load()
         self.model_memory = {
@@ -418,18 +419,14 @@ class ModelRunner:
         step.logit_rows_t = logit_rows_t if len(logit_rows) not in (0, layout.num_tokens) else None
 
     def _rope_positions(self, layout: TokenLayout) -> np.ndarray:
-        """The rows of the rotary table each token rotates by: its position, except with
-        LongRoPE, where a token takes the long frequencies' rows (`offset` further) when its
-        position reaches the threshold or its request's prompt is longer than it, as HF
-        rotates a sequence's forward once the sequence passes the threshold."""
+        """The rows of the rotary table each token rotates by: its position, except where the
+        model's rotary layer says otherwise (LongRoPE: worker/layers/rotary.py)."""
         if self.long_rope is None:
             return layout.positions
-        threshold, offset = self.long_rope
         batch = self.input_batch
         assert batch is not None
         prompt_lens = batch.num_prompt_tokens[layout.token_rows]
-        long = (layout.positions >= threshold) | (prompt_lens > threshold)
-        return layout.positions + offset * long
+        return self.long_rope.table_rows(layout.positions, prompt_lens)
 
     def _prompt_logprob_chunks(self, layout: TokenLayout) -> list[PromptLogprobChunk]:
         """For the requests asking for prompt logprobs: each prompt position of this step's

@@ -51,10 +51,10 @@ def test_one_forward_logits_match_hf(tiny_model, monkeypatch, name: str) -> None
             torch.inference_mode(),
             set_forward_context(runner.attn_backend.build_metadata(inputs)),
         ):
-            positions = torch.arange(n, device=runner.device)
+            positions = np.arange(n)
             if runner.long_rope is not None:  # a prompt past LongRoPE's original context
-                threshold, offset = runner.long_rope
-                positions = positions + offset * (n > threshold)
+                positions = runner.long_rope.table_rows(positions, np.full(n, n))
+            positions = torch.from_numpy(positions).to(runner.device)
             hidden = runner.model(torch.tensor(prompt, device=runner.device), positions)
             ours = runner.model.compute_logits(hidden).cpu()
     finally:

@@ -7,18 +7,20 @@ layer applies it (`StepRotation.apply`; the Triton path rotates in place from th
 Supports rope_type "default", "linear", "llama3" and "longrope" (Phi-3's "su" scaling).
 
 LongRoPE has two frequency sets, short and long, both scaled by one attention factor; the
-table holds the short set's rows for positions 0..max-1, then the long set's (`long_offset`
-rows later). HF switches a whole forward to the long set once its sequence passes
-`original_max_position_embeddings`; the model runner reproduces that per token (see
-ModelRunner: a token takes the long rows when its position, or its request's prompt, passes
-`long_threshold`), so that chunked prefills and batching change nothing.
+table holds the short set's rows for positions 0..max-1, then the long set's (`offset` rows
+later). HF switches a whole forward to the long set once its sequence passes
+`original_max_position_embeddings`; `LongRope.table_rows` reproduces that per token (a token
+takes the long rows when its position, or its request's prompt, passes the threshold), so that
+chunked prefills and batching change nothing. The model runner asks it for every step.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.worker.layers.custom_op import CustomOp
@@ -63,6 +65,17 @@ def _longrope(
     return sets, float(attention), original
 
 
+@dataclass(frozen=True)
+class LongRope:
+    threshold: int  # the original context (original_max_position_embeddings)
+    offset: int  # where the long rows start in the table
+
+    def table_rows(self, positions: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
+        """The table's row for each token at `positions` of a request with `prompt_lens`."""
+        long = (positions >= self.threshold) | (prompt_lens > self.threshold)
+        return positions + self.offset * long
+
+
 class RotaryEmbedding(CustomOp):
     def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -73,10 +86,7 @@ class RotaryEmbedding(CustomOp):
                 f"rope_parameters.partial_rotary_factor={params['partial_rotary_factor']} is "
                 "not supported (only whole heads rotate)"
             )
-        # LongRoPE (see above): the threshold its runner compares positions with, and where
-        # the long rows start; None elsewhere.
-        self.long_threshold: int | None = None
-        self.long_offset = max_position
+        self.long_rope: LongRope | None = None  # (see above)
         scale = 1.0
         inv_freq = _inv_freq(head_size, float(params.get("rope_theta", 10000.0)))
         freq_sets = [inv_freq]
@@ -85,7 +95,8 @@ class RotaryEmbedding(CustomOp):
         elif rope_type == "llama3":
             freq_sets = [_llama3_inv_freq(inv_freq, params)]
         elif rope_type in ("longrope", "su"):
-            freq_sets, scale, self.long_threshold = _longrope(head_size, max_position, params)
+            freq_sets, scale, threshold = _longrope(head_size, max_position, params)
+            self.long_rope = LongRope(threshold, offset=max_position)
         elif rope_type != "default":
             raise NotImplementedError(
                 f"rope_type={rope_type!r} is not supported (default, linear, llama3, longrope are)"

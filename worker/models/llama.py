@@ -29,7 +29,7 @@ from tokenmill.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tokenmill.worker.layers.rotary import RotaryEmbedding, StepRotation
+from tokenmill.worker.layers.rotary import LongRope, RotaryEmbedding, StepRotation
 from tokenmill.worker.models.cpu_decode import DecodeLoop
 
 
@@ -221,12 +221,10 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     @property
-    def long_rope(self) -> tuple[int, int] | None:
-        """LongRoPE's (threshold, offset of the long rows) for the model runner; None
-        without it (see worker/layers/rotary.py)."""
-        rotary = self.model.rotary_emb
-        return None if rotary.long_threshold is None else (rotary.long_threshold,
-                                                           rotary.long_offset)  # fmt: skip
+    def long_rope(self) -> LongRope | None:
+        """LongRoPE's rule for the rotary table's rows (worker/layers/rotary.py), which the
+        model runner applies to every step's positions; None without it."""
+        return self.model.rotary_emb.long_rope
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
