@@ -10,8 +10,9 @@ feature reads on the device are declared in `columns` and kept in one packed ten
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -104,7 +105,7 @@ class StepRows:
     def host(self, name: str) -> np.ndarray:
         return self._columns.host_row(name)[self.rows]
 
-    def positions_in(self, wanted) -> np.ndarray:
+    def positions_in(self, wanted: Collection[int]) -> np.ndarray:
         """Positions of the rows in `wanted` (a set or dict of rows)."""
         return np.flatnonzero(np.isin(self.rows, list(wanted)))
 
@@ -157,9 +158,9 @@ class SamplingState:
 class RowDict(SamplingState):
     """A feature whose state is a value per row that uses it (most of them)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.by_row: dict = {}
+        self.by_row: dict[int, Any] = {}
 
     def remove(self, row: int) -> None:
         self.by_row.pop(row, None)

@@ -3,7 +3,7 @@ tokens. Read by the model runner's logprobs stage (not an adjustment of the logi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class Logprobs(SamplingState):
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sampled: dict[int, int] = {}  # row -> top k asked for (the vocabulary for -1)
         self.prompt: dict[int, int] = {}  # row -> the same, for its prompt, until it is done

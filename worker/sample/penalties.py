@@ -5,7 +5,7 @@ device, and each row's token statistics kept up to date there as tokens are appe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ class PenaltyState(SamplingState):
     columns = {"presence": 0.0, "frequency": 0.0, "repetition": 1.0}
     reads_tokens = True
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rows: set[int] = set()
         self.output_counts: torch.Tensor | None = None  # [rows, V] int32

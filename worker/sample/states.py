@@ -8,7 +8,7 @@ order the Sampler applies it (vLLM's: allowed tokens, bans, logit bias, penaltie
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +27,8 @@ from tokenmill.worker.staging import to_device
 
 if TYPE_CHECKING:
     from tokenmill.worker.input_batch import RequestState
+
+S = TypeVar("S", bound=SamplingState)
 
 # The features that adjust the logits, in the order they are applied. Trace replay comes
 # last: it overrides whatever the others did to its rows.
@@ -52,7 +54,7 @@ class SamplingStates:
         self.tokens = tokens
         self.device = device
 
-        def make(cls):
+        def make(cls: type[S]) -> S:
             return cls(max_rows, vocab_size, device, self.columns)
 
         self.settings: Settings = make(Settings)
