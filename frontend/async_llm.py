@@ -183,9 +183,11 @@ class AsyncLLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> dict[str, Any]:
-        """A chat rendered with the model's template, as a token prompt for generate()."""
+        """A chat rendered with the model's template (`tools` handed to it), as a token
+        prompt for generate()."""
         return await self._run_off_loop(
             render_chat,
             self.tokenizer,
@@ -194,6 +196,7 @@ class AsyncLLM:
             add_generation_prompt,
             template_kwargs,
             add_special_tokens,
+            tools,
         )
 
     async def _run_off_loop(self, fn: Callable, *args: Any) -> Any:

@@ -9,6 +9,7 @@ for every request.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Union
 
@@ -142,18 +143,40 @@ def render_chat(
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """{"prompt": text, "prompt_token_ids": ids} of a chat under the model's template (which
     holds the special tokens itself: the tokenizer adds its own only when asked, as vLLM's
-    add_special_tokens)."""
+    add_special_tokens). `tools` (OpenAI's function tools) go to the template as `tools`;
+    an assistant message's tool calls reach it with their arguments as objects (templates
+    write them out with tojson), as vLLM hands them."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; it was skipped (skip_tokenizer_init=True)")
     text = tokenizer.apply_chat_template(
-        messages,
+        [_arguments_as_objects(m) for m in messages],
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         tokenize=False,
+        **({"tools": tools} if tools is not None else {}),
         **(template_kwargs or {}),
     )
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return {"prompt": text, "prompt_token_ids": ids}
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # (left as the client wrote it)
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}

@@ -105,16 +105,22 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """Generates for one conversation or several, each rendered with the model's chat
+        template (or `chat_template`); `tools` (OpenAI's function tools) and
+        `chat_template_kwargs` reach the template, as in vLLM. The answer is text: turning it
+        into tool calls is the server's (--enable-auto-tool-choice)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; it was skipped (skip_tokenizer_init=True)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            prompts.append(
-                render_chat(tokenizer, conversation, chat_template, add_generation_prompt)
-            )
+        prompts: list[PromptType] = [
+            render_chat(tokenizer, conversation, chat_template, add_generation_prompt,
+                        chat_template_kwargs, tools=tools)  # fmt: skip
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(
