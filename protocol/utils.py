@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -26,20 +26,24 @@ def short_repr(value: object, limit: int = 200) -> str:
 class StageTimes:
     """Seconds per stage of a loop, summed over its steps (TOKENMILL_STEP_TIMING): timed
     around the stages (`with times.stage("schedule"): ...`), never inside them. Off, a stage
-    is a no-op."""
+    is a no-op. `synchronize`: called as a stage ends (the worker's: the device's queued
+    kernels count where they were launched), unless the stage asks not to."""
 
-    def __init__(self, on: bool) -> None:
+    def __init__(self, on: bool, synchronize: Callable[[], None] | None = None) -> None:
         self.on = on
+        self.synchronize = synchronize
         self.times: dict[str, float] = {}
         self.num_steps = 0
 
-    def stage(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return self._timed(name) if self.on else _UNTIMED
+    def stage(self, name: str, synchronize: bool = True) -> contextlib.AbstractContextManager[None]:
+        return self._timed(name, synchronize) if self.on else _UNTIMED
 
     @contextlib.contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
+    def _timed(self, name: str, synchronize: bool) -> Iterator[None]:
         start = time.perf_counter()
         yield
+        if synchronize and self.synchronize is not None:
+            self.synchronize()
         self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:

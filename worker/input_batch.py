@@ -53,7 +53,6 @@ class InputBatch:
         device: torch.device = torch.device("cpu"),
     ) -> None:
         """device: where the sampler draws (seeded requests' generators live there)."""
-        self.vocab_size = vocab_size
         self.device = device
         max_blocks = cdiv(max_model_len, block_size)
         # One spare column: a request at max_model_len still appends its last sampled token.
@@ -63,8 +62,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self.tokens = TokenRecord(self.token_ids, self.num_tokens, self.num_prompt_tokens)
-        self.sampling = SamplingStates(max_num_reqs, vocab_size, self.tokens, device)
+        tokens = TokenRecord(self.token_ids, self.num_tokens, self.num_prompt_tokens)
+        self.sampling = SamplingStates(max_num_reqs, vocab_size, tokens, device)
         self.row_of: dict[str, int] = {}
         self.req_ids: list[str | None] = [None] * max_num_reqs  # row -> its request
         # Every request from its first step until it finishes or is aborted, preempted or not.

@@ -4,12 +4,13 @@ A step is a pipeline. The host's part, `_prepare`: the persistent batch brought 
 from the diff, the scheduled tokens laid out flat (decodes first, then prefill chunks;
 worker/step.py), positions, slots and the attention metadata. The device's part,
 `_run_step`: inputs -> forward -> logits -> sample (or verify proposals) -> logprobs ->
-propose, a method per stage, each timed from outside (StepTimer). Owns the model, the KV
+propose, a method per stage, each timed from outside (StageTimes). Owns the model, the KV
 cache tensors, the sampler and the proposer.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import LogprobsArrays
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from tokenmill.protocol.threads import OrderedThread
-from tokenmill.protocol.utils import cdiv
+from tokenmill.protocol.utils import StageTimes, cdiv
 from tokenmill.worker.attention.base import AttentionBackend, cache_torch_dtype
 from tokenmill.worker.attention.registry import make_attention_backend
 from tokenmill.worker.forward_context import set_forward_context
@@ -42,7 +43,6 @@ from tokenmill.worker.step import (
     GraphInputs,
     PreparedStep,
     PromptLogprobChunk,
-    StepTimer,
     TokenLayout,
     allocate_kv_caches,
     kv_cache_specs,
@@ -91,6 +91,7 @@ class ModelRunner:
         self.staging = HostStaging(device, torch.int64)  # the host's part of a step
         self.ids_staging = HostStaging(device, torch.int64)  # the device's part: input tokens
         self.step_timing = envs.TOKENMILL_STEP_TIMING
+        self._synchronize = functools.partial(self.platform.synchronize, device)  # (timing)
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
         self.proposer = make_proposer(config, device)  # speculative decoding's, if any
         # Called as each step's forward starts (the in-process executor's async scheduling
@@ -313,7 +314,7 @@ class ModelRunner:
         rows that this apply frees, so they are reused a step later."""
         batch = self.input_batch
         assert batch is not None and self.model is not None, "initialize_kv_cache() first"
-        timer = StepTimer(self.device, self.step_timing)
+        timer = StageTimes(self.step_timing, self._synchronize)
         with timer.stage("prepare", synchronize=False):
             batch.apply(out, defer_free)
             if out.total_num_scheduled_tokens == 0:
@@ -365,7 +366,7 @@ class ModelRunner:
         req_ids: list[str],
         layout: TokenLayout,
         num_drafts: np.ndarray,
-        timer: StepTimer,
+        timer: StageTimes,
     ) -> tuple[PreparedStep, np.ndarray]:
         """The step, and the hidden states that give logits: each sampling request's last,
         and before it one per proposed token it verifies. A request samples unless the
@@ -480,7 +481,7 @@ class ModelRunner:
                     self._logprobs(step, logits, sampled, inputs.top_logprobs, output)
                     self._record(step, sampled, output)
                     self._propose(step, output)
-        output.step_times = timer.results()
+        output.step_times = timer.times if timer.on else None
         return output
 
     def _sample(self, step: PreparedStep, logits: torch.Tensor, inputs: StepInputs) -> Sampled:

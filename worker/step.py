@@ -3,17 +3,15 @@
 `TokenLayout` puts the scheduled tokens of some requests flat (per token: its row and
 position) and gives the attention backend its `StepAttentionInputs`: the model runner, the
 draft model and the profile run all build their steps with it. `PreparedStep` is what the
-runner's host part (`ModelRunner._prepare`) hands its device part (`_run_step`); `StepTimer`
-times a step's stages. `kv_cache_specs` / `allocate_kv_caches` serve the target and the
+runner's host part (`ModelRunner._prepare`) hands its device part (`_run_step`).
+`kv_cache_specs` / `allocate_kv_caches` serve the target and the
 draft model alike.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import threading
-import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -22,9 +20,9 @@ import numpy as np
 import torch
 
 from tokenmill.protocol.scheduler_output import KVCacheSpec, SchedulerOutput
-from tokenmill.protocol.utils import cdiv
+from tokenmill.protocol.utils import StageTimes, cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
-from tokenmill.worker.platform import platform_of, zeroed_tensor
+from tokenmill.worker.platform import zeroed_tensor
 
 
 @dataclass
@@ -116,7 +114,7 @@ class PreparedStep:
     # per sampling request (in req_ids order): the proposed tokens it verifies; None: none
     num_drafts: np.ndarray | None
     prompt_logprobs: list[PromptLogprobChunk]
-    timer: StepTimer
+    timer: StageTimes  # the step's, synchronizing the device as a stage ends
     # Either the graphs' inputs, or the attention metadata and rotary positions on the device.
     graph_inputs: GraphInputs | None = None
     attn_metadata: Any = None
@@ -127,40 +125,10 @@ class PreparedStep:
     inputs_taken: threading.Event = field(default_factory=threading.Event)
     future: Future | None = None
 
-    @property
+    @functools.cached_property
     def sampling(self) -> list[int]:
         """Positions in req_ids of the requests that sample."""
         return np.flatnonzero(self.samples).tolist()
-
-
-class StepTimer:
-    """Wall time of a step's stages (TOKENMILL_STEP_TIMING); the device is synchronized as a
-    stage ends, so that its queued kernels count where they were launched. Off, every stage
-    is a no-op."""
-
-    def __init__(self, device: torch.device, on: bool) -> None:
-        self.device, self.on = device, on
-        self.platform = platform_of(device)
-        self.times: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def _timed(self, name: str, synchronize: bool) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        if synchronize:
-            self.platform.synchronize(self.device)
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
-
-    def stage(
-        self, name: str, synchronize: bool = True
-    ) -> contextlib.AbstractContextManager[None]:
-        return self._timed(name, synchronize) if self.on else _UNTIMED
-
-    def results(self) -> dict[str, float] | None:
-        return self.times if self.on else None
-
-
-_UNTIMED = contextlib.nullcontext()
 
 
 def kv_cache_specs(
