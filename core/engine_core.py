@@ -29,7 +29,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.core.structured_output import StructuredOutputManager
 from tokenmill.protocol import envs
-from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.config import EngineConfig, ModelConfig
 from tokenmill.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -121,7 +121,8 @@ class EngineCore:
             # LongRoPE: a prompt past the original context rotates every position by the
             # long frequencies (the workers' rule), unlike a shorter one's first positions.
             core_request.cache_salt = b"long-rope"
-        structured = request.sampling_params.structured_outputs
+        params = request.sampling_params
+        structured = None if params is None else params.structured_outputs
         if structured is not None:
             # Waits outside the scheduler (blocking no one) until its grammar is compiled.
             future = self.structured.compile(structured)
@@ -195,9 +196,14 @@ class EngineCore:
                 f"the prompt and resumed_token_ids have {n + len(resumed)} tokens, more than "
                 f"max_model_len={model.max_model_len}"
             )
+        mismatch = _runner_mismatch(request, model)
+        if mismatch is not None:
+            return mismatch
+        params = request.sampling_params
+        if params is None:
+            return None
         # A client that builds its own requests is checked too: a token id outside the
         # vocabulary would fail the whole step.
-        params = request.sampling_params
         bad = [t for t in params.token_ids_used() if not 0 <= t < model.vocab_size]
         if bad:
             return f"sampling_params name token ids outside [0, {model.vocab_size}): {bad[:8]}"
@@ -405,6 +411,21 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+
+
+def _runner_mismatch(request: EngineCoreRequest, model: ModelConfig) -> str | None:
+    """Why a request cannot run on this model's runner (None: it can): a pooling model pools
+    and never samples, a generative one the reverse."""
+    if model.runner_type == "pooling":
+        if request.pooling_params is None:
+            return "this is a pooling model (runner='pooling'): it takes pooling_params only"
+        dims = request.pooling_params.dimensions
+        if dims is not None and not 1 <= dims <= model.hidden_size:
+            return f"pooling_params.dimensions={dims} is outside [1, {model.hidden_size}]"
+        return None
+    if request.pooling_params is not None:
+        return "this is a generative model (runner='generate'): it takes sampling_params only"
+    return None
 
 
 def speculates(out: SchedulerOutput) -> bool:

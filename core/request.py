@@ -14,6 +14,7 @@ from tokenmill.protocol.messages import (
     EngineCoreRequest,
     FinishReason,
     LogprobsArrays,
+    PoolingParams,
     SamplingParams,
 )
 
@@ -44,10 +45,17 @@ _FINISH_REASONS = {
 }
 
 
+# A pooling request's stop rules: its step limit as one token's (it never samples one).
+_POOLING_STOPS = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
 class Request:
     def __init__(self, request: EngineCoreRequest, max_model_len: int) -> None:
         self.request_id = request.request_id
-        self.sampling_params: SamplingParams = request.sampling_params
+        # Exactly one is set: a pooling request runs its prompt only, and ends with the step
+        # of its last chunk (it has no tokens to sample, no stop rules).
+        self.sampling_params: SamplingParams | None = request.sampling_params
+        self.pooling_params: PoolingParams | None = request.pooling_params
         self.eos_token_ids = frozenset(request.eos_token_ids)
         self.arrival_time = request.arrival_time
         self.priority = request.priority
@@ -73,11 +81,11 @@ class Request:
         # the same tokens never share blocks (set by the engine; see EngineCore.add_request).
         self.cache_salt = b""
         room = max_model_len - self.num_prompt_tokens
-        max_tokens = self.sampling_params.max_tokens
+        params = self.sampling_params or _POOLING_STOPS
+        max_tokens = params.max_tokens
         self.max_tokens = room if max_tokens is None else min(max_tokens, room)
         # Stop rules, precomputed for the per-token check: the sampler bans these ids until
         # min_tokens are out; the request ends at max_tokens or max_model_len, whichever is first.
-        params = self.sampling_params
         self.min_tokens = params.min_tokens
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
         self.eos_stops = not params.ignore_eos
@@ -92,6 +100,14 @@ class Request:
         self.grammar: Any = None
         # Speculative decoding: the tokens proposed for its next step (from the workers).
         self.spec_token_ids: list[int] = []
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether it still owes its prompt logprobs (computed over its whole prompt)."""
+        params = self.sampling_params
+        return params is not None and params.prompt_logprobs is not None and (
+            not self.prompt_logprobs_sent
+        )
 
     @property
     def num_tokens(self) -> int:

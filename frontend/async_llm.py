@@ -3,7 +3,9 @@
 `async for out in engine.generate(prompt, params, request_id)` yields a RequestOutput after
 every engine step that gave the request new tokens (cumulative text and token ids by
 default; `output_kind` asks for deltas or the final output only). Leaving the loop early, or
-cancelling the task, aborts the request in the core at once.
+cancelling the task, aborts the request in the core at once. On a pooling model
+`engine.encode(prompt, pooling_params, request_id)` yields the prompt's one
+PoolingRequestOutput instead.
 
 The engine core runs in its own process (spawned, or a daemon given by `engine_address`),
 reached through an AsyncEngineCoreClient (frontend/async_core_client.py) whose sockets the
@@ -17,6 +19,7 @@ so does every later call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -25,16 +28,19 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
+
 from tokenmill.frontend.async_core_client import AsyncEngineCoreClient
 from tokenmill.frontend.core_client import EngineDeadError
 from tokenmill.frontend.input_processor import PromptType, render_chat
 from tokenmill.frontend.llm_engine import make_processors, preload_tokenizer
-from tokenmill.frontend.outputs import RequestOutput
+from tokenmill.frontend.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs, EngineConfig
 from tokenmill.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
+    PoolingParams,
     SamplingParams,
     SchedulerStats,
 )
@@ -99,14 +105,16 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType,
-        sampling_params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
     ) -> tuple[EngineCoreRequest, str | None]:
         """The request for the core and its prompt text, tokenized and checked off the
         loop; a bad prompt or parameter raises ValueError here, before anything is sent
-        (a server answers 400 before it starts a stream)."""
+        (a server answers 400 before it starts a stream). SamplingParams make a request for
+        generate() (a generative model's), PoolingParams one for encode() (a pooling
+        model's: its dimensions are checked against the model's Matryoshka sizes here)."""
         return await self._run_off_loop(
-            self.input_processor.process, request_id, prompt, sampling_params, priority
+            self.input_processor.process, request_id, prompt, params, priority
         )
 
     async def generate(
@@ -119,7 +127,60 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs. `prompt` is a prompt, or a request made by
         process_inputs() (then its own id, parameters and priority apply, and `prompt_text`
-        is the text shown in its outputs)."""
+        is the text shown in its outputs). A pooling model refuses (ValueError)."""
+        self._require_runner("generate", "AsyncLLM.generate()")
+        if not isinstance(prompt, EngineCoreRequest) and sampling_params is None:
+            raise TypeError("generate() needs sampling_params for a prompt")
+        stream = self._stream(prompt, sampling_params, request_id, priority, prompt_text)
+        async with contextlib.aclosing(stream):  # leaving early aborts at once
+            async for output in stream:
+                yield output
+
+    async def encode(
+        self,
+        prompt: PromptType | EngineCoreRequest,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's vector for one prompt (vLLM's AsyncLLM.encode): yields one
+        PoolingRequestOutput, finished (`outputs.data` a float32 tensor; `error` set, and
+        the vector empty, where the engine rejected the request). `prompt` is a prompt (a
+        string, {"prompt_token_ids": [...]}, or encode_chat()'s rendering), or a request
+        made by process_inputs() with PoolingParams (its own id, parameters and priority
+        apply). pooling_params None: PoolingParams() (the model's defaults);
+        truncate_prompt_tokens: keep the prompt's last k tokens (-1: max_model_len) where
+        pooling_params set none. Bad parameters (dimensions a model does not support, say)
+        raise ValueError before anything is sent; a generative model refuses likewise."""
+        self._require_runner("pooling", "AsyncLLM.encode()")
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if truncate_prompt_tokens is not None and params.truncate_prompt_tokens is None:
+            params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        stream = self._stream(prompt, params, request_id, priority, None)
+        async with contextlib.aclosing(stream):  # leaving early aborts at once
+            async for output in stream:
+                yield output
+
+    def _require_runner(self, runner_type: str, method: str) -> None:
+        """vLLM's refusal of a method the model's runner does not serve."""
+        if self.model_config.runner_type != runner_type:
+            kind = "generative" if runner_type == "generate" else "pooling"
+            raise ValueError(
+                f"{method} is only supported for {kind} models. Try passing "
+                f"`--runner {runner_type}` to use the model as a {kind} model."
+            )
+
+    async def _stream(
+        self,
+        prompt: PromptType | EngineCoreRequest,
+        params: SamplingParams | PoolingParams | None,
+        request_id: str | None,
+        priority: int,
+        prompt_text: str | None,
+    ) -> AsyncIterator[Any]:
+        """Sends one request and yields its outputs until it is finished; leaving early
+        aborts it in the core."""
         self.start()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
@@ -128,10 +189,9 @@ class AsyncLLM:
             request, text = prompt, prompt_text
             request_id = request.request_id
         else:
-            if sampling_params is None:
-                raise TypeError("generate() needs sampling_params for a prompt")
+            assert params is not None
             request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-            request, text = await self.process_inputs(request_id, prompt, sampling_params, priority)
+            request, text = await self.process_inputs(request_id, prompt, params, priority)
             if self.dead is not None:  # died while the prompt was tokenized
                 raise EngineDeadError(str(self.dead))
         if request_id in self.streams:
@@ -141,14 +201,14 @@ class AsyncLLM:
         finished = False
         try:
             core_requests = self.output_processor.add_request(request, text)
+            sampling = request.sampling_params
             for stat_logger in self.stat_loggers:
-                params = request.sampling_params
                 stat_logger.on_request(
                     [r.request_id for r in core_requests],
                     len(request.prompt_token_ids),
                     arrival,
-                    params.n,
-                    params.max_tokens,
+                    1 if sampling is None else sampling.n,
+                    None if sampling is None else sampling.max_tokens,
                 )
             self.client.add_requests(core_requests)
             while not finished:

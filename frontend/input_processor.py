@@ -4,7 +4,8 @@ Accepts a string or vLLM's token form `{"prompt_token_ids": [...]}` (optionally 
 "prompt"), tokenizes, checks what can be checked before the request leaves this process
 (length against max_model_len, token ids against the vocabulary, every field's type as the
 core will decode it), and stamps the model's EOS ids. Called by LLMEngine (and AsyncLLM)
-for every request.
+for every request; PoolingParams make a pooling request (checked against the model's pooler
+and Matryoshka sizes, its defaults filled in).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from typing import Any, Union
 import msgspec
 
 from tokenmill.protocol.config import ModelConfig
-from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams, check_request
+from tokenmill.protocol.messages import (
+    EngineCoreRequest,
+    PoolingParams,
+    SamplingParams,
+    check_request,
+)
 
 PromptType = Union[str, dict[str, Any]]
 
@@ -30,18 +36,25 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
     ) -> tuple[EngineCoreRequest, str | None]:
-        """Returns the request for the core and the prompt text (None for token prompts)."""
-        if not isinstance(params, SamplingParams):
+        """Returns the request for the core and the prompt text (None for token prompts):
+        a request to generate from with SamplingParams (a generative model's), to pool with
+        PoolingParams (a pooling model's)."""
+        config = self.model_config
+        pooling = isinstance(params, PoolingParams)
+        if not pooling and not isinstance(params, SamplingParams):
             raise TypeError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
+        if pooling != (config.runner_type == "pooling"):
+            raise ValueError(_runner_mismatch(config.runner_type))
         text, token_ids = self._tokenize(prompt)
-        config = self.model_config
+        # A pooling prompt keeps its last tokens, as vLLM's renderer truncates token prompts.
+        side = "left" if pooling else params.truncation_side  # type: ignore[union-attr]
         token_ids = truncate_prompt(
-            token_ids, params.truncate_prompt_tokens, config.max_model_len, params.truncation_side
+            token_ids, params.truncate_prompt_tokens, config.max_model_len, side
         )
         if not token_ids:
             raise ValueError(f"the prompt of request {request_id!r} is empty")
@@ -56,14 +69,18 @@ class InputProcessor:
                 f"prompt_token_ids of request {request_id!r} holds ids outside "
                 f"[0, {config.vocab_size}): {bad[:8]}"
             )
-        params = self._resolve_sampling(params)
+        if isinstance(params, PoolingParams):
+            sampling, pooling_params = None, params.verify(config)
+        else:
+            sampling, pooling_params = self._resolve_sampling(params), None
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
-            sampling_params=params,
+            sampling_params=sampling,
             eos_token_ids=list(config.eos_token_ids),
             arrival_time=time.time(),
             priority=priority,
+            pooling_params=pooling_params,
         )
         # Every field as the core will decode it: an ill-typed one fails here, by name,
         # instead of in the core.
@@ -121,6 +138,20 @@ class InputProcessor:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         kind = type(prompt).__name__
         raise TypeError(f'a prompt must be a string or {{"prompt_token_ids": [...]}}, got {kind}')
+
+
+def _runner_mismatch(runner_type: str) -> str:
+    """Why params of the other kind were given (vLLM's wording)."""
+    if runner_type == "pooling":
+        return (
+            "generation is only supported for generative models; this one is a pooling model "
+            "(runner='pooling'): use embed() / encode() with PoolingParams, or pass "
+            "`--runner generate` to use the model as a generative model"
+        )
+    return (
+        "pooling is only supported for pooling models; this one generates "
+        "(runner='generate'): pass `--runner pooling` to use the model as a pooling model"
+    )
 
 
 def truncate_prompt(

@@ -6,7 +6,8 @@ engine-core process (`multiprocess=False` or TOKENMILL_MULTIPROC=0: in this proc
 `generate(prompts, sampling_params)` submits everything, steps the engine until every
 request is finished, and returns RequestOutputs in prompt order; `chat(messages, ...)`
 applies the model's chat template first; `beam_search(prompts, BeamSearchParams(...))`
-runs vLLM's beam search.
+runs vLLM's beam search. A pooling model (runner="pooling") serves `embed(prompts,
+pooling_params)` and `encode(...)` instead.
 """
 
 from __future__ import annotations
@@ -22,10 +23,15 @@ from tqdm.auto import tqdm
 from tokenmill.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.frontend.input_processor import PromptType, render_chat
 from tokenmill.frontend.llm_engine import LLMEngine
-from tokenmill.frontend.outputs import RequestOutput
+from tokenmill.frontend.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs
-from tokenmill.protocol.messages import RequestOutputKind, SamplingParams
+from tokenmill.protocol.messages import (
+    POOLING_TASKS,
+    PoolingParams,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,23 +86,71 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        self._require_runner("generate", "LLM.generate()")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
-                )
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        prompts, params_list, priorities = _per_prompt(prompts, sampling_params, priority)
         return self._run(prompts, params_list, priorities, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, `{"prompt_token_ids": [...]}`, or a list of
+        them), in prompt order, from a pooling model (vLLM's LLM.embed).
+        `truncate_prompt_tokens` keeps each prompt's last k tokens (-1: max_model_len of
+        them) where its PoolingParams set none."""
+        self._require_runner("pooling", "LLM.embed()")
+        outputs = self.encode(
+            prompts,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            priority=priority,
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def encode(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        pooling_task: str = "embed",
+    ) -> list[PoolingRequestOutput]:
+        """The pooled vector of each prompt, in prompt order, as PoolingRequestOutputs
+        (`outputs.data`: a float32 tensor), from a pooling model (vLLM's LLM.encode); a
+        prompt the engine rejected has `error` set and an empty vector."""
+        self._require_runner("pooling", "LLM.encode()")
+        if pooling_task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task must be one of {list(POOLING_TASKS)}, got "
+                             f"{pooling_task!r}")  # fmt: skip
+        if pooling_params is None:
+            pooling_params = PoolingParams(task=pooling_task)
+        prompts, params_list, priorities = _per_prompt(prompts, pooling_params, priority)
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                p if p.truncate_prompt_tokens is not None
+                else msgspec.structs.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params_list
+            ]  # fmt: skip
+        return self._run(prompts, params_list, priorities, use_tqdm)  # type: ignore[return-value]
+
+    def _require_runner(self, runner_type: str, method: str) -> None:
+        """vLLM's refusal of a method the model's runner does not serve."""
+        if self.llm_engine.config.model_config.runner_type != runner_type:
+            kind = "generative" if runner_type == "generate" else "pooling"
+            raise ValueError(
+                f"{method} is only supported for {kind} models. Try passing "
+                f"`--runner {runner_type}` to use the model as a {kind} model."
+            )
 
     def chat(
         self,
@@ -112,13 +166,20 @@ class LLM:
         template (or `chat_template`); `tools` (OpenAI's function tools) and
         `chat_template_kwargs` reach the template, as in vLLM. The answer is text: turning it
         into tool calls is the server's (--enable-auto-tool-choice)."""
+        self._require_runner("generate", "LLM.chat()")
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; it was skipped (skip_tokenizer_init=True)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = [
-            render_chat(tokenizer, conversation, chat_template, add_generation_prompt,
-                        chat_template_kwargs, tools=tools)  # fmt: skip
+            render_chat(
+                tokenizer,
+                conversation,
+                chat_template,
+                add_generation_prompt,
+                chat_template_kwargs,
+                tools=tools,
+            )  # fmt: skip
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -156,19 +217,21 @@ class LLM:
     def _run(
         self,
         prompts: list[PromptType],
-        params_list: list[SamplingParams],
+        params_list: list[Any],
         priorities: list[int],
         use_tqdm: bool,
-    ) -> list[RequestOutput]:
+    ) -> list[Any]:
+        """Every prompt's final output, in prompt order (RequestOutputs for SamplingParams,
+        PoolingRequestOutputs for PoolingParams)."""
         engine = self.llm_engine
         # Only finished outputs are returned here: skip building the ones in between.
-        final: dict[int, SamplingParams] = {}
+        final: dict[int, Any] = {}
         for params in params_list:
-            if id(params) not in final:
+            if id(params) not in final and isinstance(params, SamplingParams):
                 final[id(params)] = msgspec.structs.replace(
                     params, output_kind=RequestOutputKind.FINAL_ONLY
                 )
-        params_list = [final[id(p)] for p in params_list]
+        params_list = [final.get(id(p), p) for p in params_list]
         # Validate every prompt before submitting any, so a bad one costs nothing else.
         requests = []
         for prompt, params, prio in zip(prompts, params_list, priorities):
@@ -177,7 +240,7 @@ class LLM:
         engine.submit(requests)
 
         order = {request.request_id: i for i, (request, _) in enumerate(requests)}
-        results: list[RequestOutput | None] = [None] * len(requests)
+        results: list[Any] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm)
         try:
             while engine.has_unfinished_requests():
@@ -204,3 +267,30 @@ class LLM:
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
+
+
+def _per_prompt(
+    prompts: Union[PromptType, Sequence[PromptType]],
+    params: Any,
+    priority: Sequence[int] | None,
+) -> tuple[list[PromptType], list[Any], list[int]]:
+    """The prompts as a list, with each one's parameters and priority (one set of parameters
+    for all, or one per prompt)."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if isinstance(params, (SamplingParams, PoolingParams)):
+        params_list = [params] * len(prompts)
+    else:
+        params_list = list(params)
+        kind = (
+            "pooling_params"
+            if params_list and isinstance(params_list[0], PoolingParams)
+            else "sampling_params"
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{kind} has {len(params_list)} entries for {len(prompts)} prompts")
+    priorities = list(priority) if priority is not None else [0] * len(prompts)
+    if len(priorities) != len(prompts):
+        raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+    return prompts, params_list, priorities

@@ -17,9 +17,9 @@ from typing import Any
 from tokenmill.frontend.core_client import EngineCoreClient
 from tokenmill.frontend.input_processor import InputProcessor, PromptType
 from tokenmill.frontend.output_processor import OutputProcessor
-from tokenmill.frontend.outputs import RequestOutput
+from tokenmill.frontend.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.protocol.config import EngineArgs, EngineConfig, ModelConfig
-from tokenmill.protocol.messages import EngineCoreRequest, SamplingParams
+from tokenmill.protocol.messages import EngineCoreRequest, PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,11 @@ class LLMEngine:
         return cls(args.create_engine_config(), multiprocess)
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        priority: int = 0,
     ) -> None:
         self.submit([self.input_processor.process(request_id, prompt, params, priority)])
 
@@ -135,7 +139,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         if not self.has_unfinished_requests():
             return []  # nothing can come: waiting for the core's next output would be for ever
         outputs = self.client.get_output()

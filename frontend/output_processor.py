@@ -5,7 +5,8 @@ stop strings (which the core does not see: a match ends the request here and the
 aborts it in the core), and builds vLLM-shaped outputs as each request's output_kind asks
 (cumulative, delta, final only). A request with n > 1 goes to the core as n children (child i
 seeded with seed + i) and comes back as one RequestOutput with n completions. Called by
-LLMEngine and AsyncLLM after each step.
+LLMEngine and AsyncLLM after each step. A pooling request gets one PoolingRequestOutput, with
+its vector, when the core ends it.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.frontend.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestOutput,
     SampleLogprobs,
@@ -28,6 +32,7 @@ from tokenmill.protocol.messages import (
     EngineCoreRequest,
     FinishReason,
     LogprobsArrays,
+    PoolingParams,
     RequestOutputKind,
 )
 
@@ -114,7 +119,7 @@ class OutputProcessor:
         params = request.sampling_params
         if request.request_id in self.requests or request.request_id in self.parents:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if params.n == 1:
+        if params is None or params.n == 1:
             self._track(request, prompt)
             return [request]
         children = []
@@ -141,6 +146,11 @@ class OutputProcessor:
 
     def _track(self, request: EngineCoreRequest, prompt: str | None) -> None:
         params = request.sampling_params
+        if params is None:  # a pooling request: its vector comes with its finish
+            self.requests[request.request_id] = RequestState(
+                request.request_id, prompt, request.prompt_token_ids, request.pooling_params, None
+            )
+            return
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
@@ -178,27 +188,46 @@ class OutputProcessor:
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """Returns the updated RequestOutputs (one per user request, whatever the number of
-        its children that moved) and the core ids that stopped on a stop string (still
-        running in the core, so the caller must abort them there)."""
+        its children that moved; a PoolingRequestOutput for a pooling request) and the core
+        ids that stopped on a stop string (still running in the core, so the caller must
+        abort them there)."""
         to_abort: list[str] = []
         touched: dict[str, None] = {}  # user request ids, in order
+        pooled: dict[str, PoolingRequestOutput] = {}
         for out in outputs:
             state = self.requests.get(out.request_id)
             # Aborted here while the core was still working on it, or finished here (a stop
             # string) while it ran ahead.
             if state is None or state.finished:
                 continue
-            if self._update(state, out):
+            if isinstance(state.params, PoolingParams):
+                pooled[out.request_id] = self._pooling_output(state, out)
+            elif self._update(state, out):
                 to_abort.append(out.request_id)
             touched[self.parent_of.get(out.request_id, out.request_id)] = None
-        results = []
+        results: list[RequestOutput | PoolingRequestOutput] = []
         for user_id in touched:
-            output = self._output(user_id)
+            output = pooled[user_id] if user_id in pooled else self._output(user_id)
             if output is not None:
                 results.append(output)
         return results, to_abort
+
+    def _pooling_output(self, state: RequestState, out: EngineCoreOutput) -> PoolingRequestOutput:
+        """A pooling request's one output (its vector, or its error); the request is done."""
+        del self.requests[state.request_id]
+        vector = out.pooling_output
+        if vector is None:  # (rejected by the engine: `error` says why)
+            vector = np.zeros(0, dtype=np.float32)
+        return PoolingRequestOutput(
+            request_id=state.request_id,
+            outputs=PoolingOutput.from_array(vector),
+            prompt_token_ids=state.prompt_token_ids,
+            num_cached_tokens=out.num_cached_tokens,
+            finished=True,
+            error=out.error,
+        )
 
     def _update(self, state: RequestState, out: EngineCoreOutput) -> bool:
         """Applies one core output; True when a stop string ended the request here."""

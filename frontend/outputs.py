@@ -1,9 +1,14 @@
-"""What users get back, under vLLM's names: `RequestOutput` holding `CompletionOutput`s."""
+"""What users get back, under vLLM's names: `RequestOutput` holding `CompletionOutput`s, and a
+pooling model's `PoolingRequestOutput` (as `EmbeddingRequestOutput` from LLM.embed)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Generic, Optional, TypeVar
+
+import numpy as np
+
+_O = TypeVar("_O")
 
 
 @dataclass
@@ -44,3 +49,68 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # why the engine rejected the request, when it did
+
+
+# ------------------------------------------------------------------------------ pooling
+# vLLM's pooling outputs. `PoolingOutput.data` is a torch tensor as in vLLM; torch is imported
+# when the first one is made, so that a frontend that only generates never loads it.
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (float32; 1-D for an embedding)."""
+
+    data: Any  # torch.Tensor
+
+    @staticmethod
+    def from_array(array: np.ndarray) -> PoolingOutput:
+        import torch
+
+        return PoolingOutput(torch.from_numpy(np.array(array, dtype=np.float32)))
+
+
+@dataclass
+class PoolingRequestOutput(Generic[_O]):
+    """A pooling request's result (vLLM's): its output, the prompt's token ids, how many of
+    them the prefix cache held, and `error` where the engine rejected it (then `outputs`
+    holds an empty vector)."""
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    error: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding as a list of floats (vLLM's)."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
+        data = pooling_output.data
+        if data.ndim != 1:
+            raise ValueError(f"an embedding is a 1-D vector, got shape {tuple(data.shape)}")
+        return EmbeddingOutput(data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """What LLM.embed returns per prompt (vLLM's)."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            request_id=request_output.request_id,
+            outputs=EmbeddingOutput.from_base(request_output.outputs),
+            prompt_token_ids=request_output.prompt_token_ids,
+            num_cached_tokens=request_output.num_cached_tokens,
+            finished=request_output.finished,
+            error=request_output.error,
+        )

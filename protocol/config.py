@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from typing import Any, Literal
 from tokenmill.protocol.default_model import resolve_model
 from tokenmill.protocol.device_defaults import DeviceDefaults, device_defaults, has_triton
 from tokenmill.protocol.model_registry import check_architecture
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": "float32",
@@ -36,6 +39,51 @@ _DTYPES = {
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:
     if not ok:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+# vLLM's pooling types; "ALL" and "STEP" (a vector per token) are not built here.
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNER_TYPES = ("auto", "generate", "pooling")
+CONVERT_TYPES = ("auto", "none", "embed")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into one vector (vLLM's
+    `--pooler-config` keys): the last token's (LAST), their mean (MEAN) or the first token's
+    (CLS); L2-normalized unless `normalize` is False; `dimensions`, a Matryoshka model's
+    default output size (a request's own PoolingParams.dimensions wins)."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        kind = self.pooling_type
+        if kind is not None:
+            kind = str(kind).upper()
+            object.__setattr__(self, "pooling_type", kind)
+            _check(kind in POOLING_TYPES, "pooler_config.pooling_type", self.pooling_type,
+                   f"one of {list(POOLING_TYPES)} (ALL and STEP pool per token, which "
+                   "tokenmill does not run)")  # fmt: skip
+        _check(self.normalize is None or isinstance(self.normalize, bool),
+               "pooler_config.normalize", self.normalize, "true, false or null")  # fmt: skip
+        dims = self.dimensions
+        _check(dims is None or (isinstance(dims, int) and dims >= 1), "pooler_config.dimensions",
+               dims, "a positive integer or null")  # fmt: skip
+
+    @staticmethod
+    def from_user(value: Any) -> PoolerConfig | None:
+        """From `LLM(pooler_config=...)`: a PoolerConfig, a dict of vLLM's keys or its JSON."""
+        if value is None or isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, str):
+            value = json.loads(value)
+        _check(isinstance(value, dict), "pooler_config", value, "a dict of vLLM's keys")
+        known = {f.name for f in dataclasses.fields(PoolerConfig)}
+        unknown = sorted(set(value) - known)
+        _check(not unknown, "pooler_config", unknown, f"keys among {sorted(known)}")
+        return PoolerConfig(**value)
 
 
 @dataclass(frozen=True)
@@ -89,6 +137,25 @@ class ModelConfig:
     # Sampling defaults from the model's generation_config.json (--generation-config), used
     # where a request leaves a field out: vLLM's names (max_new_tokens -> max_tokens).
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What the model runs for (vLLM's names): "generate" (sampling tokens) or "pooling" (one
+    # vector per prompt, pooled from the final norm's hidden states); how a *ForCausalLM
+    # checkpoint became a pooling model ("embed": its LM head dropped; "none" when generating),
+    # and the pooling it does (None when generating).
+    runner_type: str = "generate"
+    convert_type: str = "none"
+    pooler_config: PoolerConfig | None = None
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        """The output sizes a Matryoshka embedding model was trained for (config.json's
+        `matryoshka_dimensions`, as vLLM reads it); None: any size, where `is_matryoshka`."""
+        dims = self.hf_text_config.get("matryoshka_dimensions")
+        return list(dims) if dims else None
+
+    @property
+    def is_matryoshka(self) -> bool:
+        """Whether an embedding may be cut to fewer dimensions (PoolingParams.dimensions)."""
+        return bool(self.matryoshka_dimensions) or bool(self.hf_text_config.get("is_matryoshka"))
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -414,6 +481,9 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
     generation_config: str = "auto"  # "auto" (the model's file) | "vllm" (none) | a folder
     speculative_config: dict | None = None  # vLLM's keys; see SpeculativeConfig
+    runner: str = "auto"  # "auto" | "generate" | "pooling" (vLLM's)
+    convert: str = "auto"  # "auto" | "none" | "embed": a *ForCausalLM model as an embedder
+    pooler_config: dict | None = None  # vLLM's keys; see PoolerConfig
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -424,7 +494,8 @@ class EngineArgs:
         defaults = device_defaults(device)
         model_path = resolve_model(self.model)
         hf = json.loads((Path(model_path) / "config.json").read_text())
-        model_config = _model_config(self, model_path, hf, defaults)
+        model_config = _with_runner(self, _model_config(self, model_path, hf, defaults))
+        pooling = model_config.runner_type == "pooling"
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
@@ -445,7 +516,8 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching
+                and _prefix_caching_pools(model_config),
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -457,10 +529,10 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
-                async_scheduling=_async_scheduling(self, defaults),
+                async_scheduling=_async_scheduling(self, defaults, pooling),
             ),
             parallel_config=_parallel_config(self, model_config),
-            device_config=_device_config(self, defaults),
+            device_config=_device_config(self, defaults, pooling),
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
             speculative_config=_speculative_config(self, model_config, defaults),
         )
@@ -472,6 +544,11 @@ def _speculative_config(
     """The user's speculative_config; for a draft model, with the draft's config, which must
     share the target's vocabulary and reach its max_model_len."""
     spec = SpeculativeConfig.from_user(args.speculative_config)
+    if spec is not None and target.runner_type == "pooling":
+        raise ValueError(
+            "speculative_config is for generative models: a pooling model (runner='pooling') "
+            "samples no tokens to speculate on"
+        )
     if spec is None or spec.method != "draft_model":
         return spec
     assert spec.model is not None
@@ -489,15 +566,131 @@ def _speculative_config(
     return dataclasses.replace(spec, model=path, draft_model_config=draft)
 
 
-def _async_scheduling(args: EngineArgs, defaults: DeviceDefaults) -> bool:
+def _async_scheduling(args: EngineArgs, defaults: DeviceDefaults, pooling: bool) -> bool:
     """On by default where the device's forward leaves the host free (`overlaps_steps` of
     protocol/device_defaults.py: CUDA). With speculative decoding the steps that propose or
-    verify tokens are not overlapped (see EngineCore)."""
+    verify tokens are not overlapped (see EngineCore). A pooling model's steps run in turn:
+    each request ends with the step of its last prompt chunk, so there is no next token for
+    a step to be scheduled ahead of."""
     if args.async_scheduling is None:
-        return defaults.overlaps_steps
+        return defaults.overlaps_steps and not pooling
     _check(isinstance(args.async_scheduling, bool), "async_scheduling", args.async_scheduling,
            "True, False or None")  # fmt: skip
+    _check(not (pooling and args.async_scheduling), "async_scheduling", args.async_scheduling,
+           "off (or unset) for a pooling model (runner='pooling')")  # fmt: skip
     return args.async_scheduling
+
+
+def _with_runner(args: EngineArgs, model: ModelConfig) -> ModelConfig:
+    """The model's runner and pooling as vLLM resolves them. runner="auto" pools where the
+    folder holds a sentence-transformers pooling module (Qwen3-Embedding's modules.json:
+    some embedding models keep a *ForCausalLM architecture), else generates, as every
+    architecture here is a causal LM; pooling such a model converts it ("embed"). The pooler
+    settings: --pooler-config first, then the sentence-transformers files, then vLLM's
+    defaults for "embed" (LAST, normalized)."""
+    _check(args.runner in RUNNER_TYPES, "runner", args.runner, f"one of {list(RUNNER_TYPES)}")
+    _check(args.convert in CONVERT_TYPES, "convert", args.convert,
+           f"one of {list(CONVERT_TYPES)} (tokenmill converts a causal LM to an embedder "
+           "only)")  # fmt: skip
+    user = PoolerConfig.from_user(args.pooler_config)
+    found = sentence_transformers_pooling(model.model)
+    runner = args.runner
+    if runner == "auto":
+        runner = "pooling" if found is not None or args.convert == "embed" else "generate"
+    if runner == "generate":
+        _check(args.convert in ("auto", "none"), "convert", args.convert,
+               "'auto' or 'none' with runner='generate' ('embed' pools)")  # fmt: skip
+        _check(user is None, "pooler_config", args.pooler_config,
+               "unset for a generative model (runner='generate')")  # fmt: skip
+        return model
+    _check(args.convert in ("auto", "embed"), "convert", args.convert,
+           f"'auto' or 'embed' for {model.architecture} with runner='pooling' (a causal LM "
+           "pools only once converted)")  # fmt: skip
+    user = user or PoolerConfig()
+    found = found or PoolerConfig()
+    pooler = PoolerConfig(
+        pooling_type=user.pooling_type or found.pooling_type or "LAST",
+        normalize=_first_set(user.normalize, found.normalize, True),
+        dimensions=user.dimensions,
+    )
+    model = dataclasses.replace(
+        model, runner_type="pooling", convert_type="embed", pooler_config=pooler
+    )
+    if pooler.dimensions is not None:
+        check_dimensions(model, pooler.dimensions, "pooler_config.dimensions")
+    return model
+
+
+def _first_set(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def check_dimensions(model: ModelConfig, dimensions: int, name: str = "dimensions") -> None:
+    """An embedding cut to `dimensions`, as vLLM allows it (with its messages): only for a
+    Matryoshka model, and then to one of its trained sizes where config.json lists them."""
+    label = Path(model.model).name
+    if not model.is_matryoshka:
+        raise ValueError(
+            f'Model "{label}" does not support matryoshka representation, changing output '
+            "dimensions will lead to poor results."
+        )
+    if not isinstance(dimensions, int) or dimensions < 1:
+        raise ValueError(f"{name}: Dimensions must be greater than 0, got {dimensions!r}")
+    sizes = model.matryoshka_dimensions
+    if sizes is not None and dimensions not in sizes:
+        raise ValueError(
+            f'Model "{label}" only supports {sizes} matryoshka dimensions, use other output '
+            "dimensions will lead to poor results."
+        )
+    _check(dimensions <= model.hidden_size, name, dimensions,
+           f"at most the model's hidden size ({model.hidden_size})")  # fmt: skip
+
+
+# sentence-transformers' pooling modes (1_Pooling/config.json) -> vLLM's pooling types.
+_ST_POOLING_MODES = {
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_cls_token": "CLS",
+}
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+def sentence_transformers_pooling(path: str) -> PoolerConfig | None:
+    """The pooling a sentence-transformers model folder declares (vLLM's get_pooling_config):
+    modules.json lists its modules, a Normalize module means normalized outputs, and the
+    Pooling module's config.json sets one pooling_mode_* true. None: no modules.json."""
+    modules_file = Path(path) / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = json.loads(modules_file.read_text())
+    normalize = any(m.get("type") == _ST_NORMALIZE for m in modules)
+    pooling = next((m for m in modules if m.get("type") == _ST_POOLING), None)
+    kind = None
+    if pooling is not None:
+        pooling_file = Path(path) / pooling.get("path", "") / "config.json"
+        modes = json.loads(pooling_file.read_text()) if pooling_file.is_file() else {}
+        chosen = [mode for mode, on in modes.items() if mode.startswith("pooling_mode") and on]
+        if chosen:
+            kind = _ST_POOLING_MODES.get(chosen[0])
+            if kind is None:
+                raise ValueError(
+                    f"{pooling_file}: {chosen[0]} is not supported (tokenmill pools with "
+                    f"{sorted(_ST_POOLING_MODES)}); pass pooler_config to choose another"
+                )
+    return PoolerConfig(pooling_type=kind, normalize=normalize)
+
+
+def _prefix_caching_pools(model: ModelConfig) -> bool:
+    """Whether prefix caching may stay on: not for MEAN or CLS pooling, which need the hidden
+    states of every prompt token (or the first), and a cached block's are not kept (vLLM
+    turns it off likewise for pooling other than LAST)."""
+    pooler = model.pooler_config
+    if pooler is None or pooler.pooling_type == "LAST":
+        return True
+    logger.info("prefix caching is off: %s pooling needs every prompt token's hidden "
+                "state", pooler.pooling_type)  # fmt: skip
+    return False
 
 
 def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
@@ -531,7 +724,7 @@ def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
     return parallel
 
 
-def _device_config(args: EngineArgs, defaults: DeviceDefaults) -> DeviceConfig:
+def _device_config(args: EngineArgs, defaults: DeviceDefaults, pooling: bool) -> DeviceConfig:
     device = defaults.device_type
     backend = args.attention_backend
     if backend is None:
@@ -556,7 +749,8 @@ def _device_config(args: EngineArgs, defaults: DeviceDefaults) -> DeviceConfig:
     return DeviceConfig(
         device=device,
         attention_backend=backend,
-        enforce_eager=args.enforce_eager,
+        # A pooling model's steps are prompt chunks: no decode step to capture.
+        enforce_eager=args.enforce_eager or pooling,
         cudagraph_capture_sizes=tuple(sorted(set(sizes))),
     )
 
@@ -813,6 +1007,13 @@ ENGINE_ARG_HELP = {
     "cudagraph_capture_sizes": "the batch sizes CUDA graphs are captured for",
     "generation_config": "sampling defaults: auto (the model's generation_config.json), "
     "vllm (none), or a folder holding a generation_config.json",
+    "runner": "auto, generate or pooling (auto: pooling where the model folder holds a "
+    "sentence-transformers pooling module, else generate)",
+    "convert": "auto, none or embed: a causal LM run as an embedding model (its final norm's "
+    "hidden states pooled; the default with runner pooling)",
+    "pooler_config": 'a pooling model\'s pooling, as JSON: {"pooling_type": "LAST" | "MEAN" | '
+    '"CLS", "normalize": true, "dimensions": N} (default: the sentence-transformers files, '
+    "else LAST, normalized)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", '
     '"num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "draft_model", '
     '"model": FOLDER, "num_speculative_tokens": 3}',

@@ -1,4 +1,5 @@
-"""Messages between the frontend and EngineCore: sampling parameters, requests, outputs.
+"""Messages between the frontend and EngineCore: sampling and pooling parameters, requests,
+outputs.
 
 All are msgspec Structs (`array_like`, `omit_defaults`, `gc=False`) so they encode compactly
 and never need pickle. The frontend builds `EngineCoreRequest`s; EngineCore answers with
@@ -15,7 +16,7 @@ from typing import Optional, Union
 import msgspec
 import numpy as np
 
-from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.config import EngineConfig, ModelConfig, check_dimensions
 from tokenmill.protocol.lark import is_lark, lark_to_ebnf
 from tokenmill.protocol.utils import short_repr
 
@@ -248,6 +249,55 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+# The pooling tasks PoolingParams.task takes (vLLM's "embed"; its classify, score and per-token
+# tasks need heads tokenmill does not build).
+POOLING_TASKS = ("embed",)
+
+
+class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
+    """How a pooling model turns one prompt into one vector, under vLLM's names: `dimensions`
+    keeps a Matryoshka embedding's first n values, `normalize` L2-normalizes it (None: the
+    model's pooler config says, normalized by default), `truncate_prompt_tokens` keeps the
+    prompt's last k tokens (-1: max_model_len of them; the frontend applies it)."""
+
+    task: str = "embed"
+    dimensions: Optional[int] = None
+    normalize: Optional[bool] = None
+    truncate_prompt_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        def fail(name: str, expected: str) -> None:
+            raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+
+        if self.task not in POOLING_TASKS:
+            fail("task", f"one of {list(POOLING_TASKS)}")
+        dims = self.dimensions
+        if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool)):
+            fail("dimensions", "an integer")
+        if dims is not None and dims < 1:
+            raise ValueError(f"Dimensions must be greater than 0, got {dims}")  # (vLLM's words)
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            fail("normalize", "true, false or null")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or k < -1 or k == 0):
+            fail("truncate_prompt_tokens", "-1 (max_model_len) or a positive integer")
+
+    def verify(self, model_config: ModelConfig) -> PoolingParams:
+        """These parameters for this model, checked as vLLM checks them, its pooler config's
+        defaults filled in (a copy: one PoolingParams may serve many prompts)."""
+        pooler = model_config.pooler_config
+        if model_config.runner_type != "pooling" or pooler is None:
+            raise ValueError(
+                "pooling_params are for pooling models; this one generates "
+                "(runner='generate'): pass runner='pooling' to embed with it"
+            )
+        dims = self.dimensions if self.dimensions is not None else pooler.dimensions
+        if self.dimensions is not None:
+            check_dimensions(model_config, self.dimensions)
+        normalize = self.normalize if self.normalize is not None else pooler.normalize
+        return msgspec.structs.replace(self, dimensions=dims, normalize=normalize)
+
+
 class FinishReason(enum.IntEnum):
     """Why a request ended; sent as an int, shown to users as vLLM's strings."""
 
@@ -282,9 +332,12 @@ class LogprobsArrays(msgspec.Struct, array_like=True, gc=False):  # type: ignore
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    """A prompt to generate from (`sampling_params`) or to pool (`pooling_params`, on a
+    pooling model): exactly one of the two is set."""
+
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: Optional[SamplingParams]
     eos_token_ids: list[int]
     arrival_time: float
     priority: int = 0
@@ -292,6 +345,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # a client): it resumes after them as a preempted request does. They count toward
     # max_tokens, min_tokens and penalties, and its grammar is advanced through them.
     resumed_token_ids: list[int] = []
+    pooling_params: Optional[PoolingParams] = None
+
+    def __post_init__(self) -> None:
+        if (self.sampling_params is None) == (self.pooling_params is None):
+            raise ValueError(
+                "a request sets exactly one of sampling_params (generate) and pooling_params "
+                "(embed)"
+            )
 
 
 def check_request(request: EngineCoreRequest) -> EngineCoreRequest:
@@ -373,6 +434,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     prompt_logprobs: Optional[LogprobsArrays] = None
     # With the first token: seconds from the core receiving the request to its first step.
     queue_time: Optional[float] = None
+    # A pooling request's vector (float32 [dimensions]), with its finish.
+    pooling_output: Optional[np.ndarray] = None
 
     @property
     def finished(self) -> bool:
@@ -405,7 +468,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 # ---------------------------------------------------------------- engine-core process wire
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class RequestType:

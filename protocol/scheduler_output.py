@@ -2,8 +2,9 @@
 
 `SchedulerOutput` is a diff: full data only for requests the workers have not seen, then
 new block ids and token counts for the rest; the model runner keeps its persistent batch in
-step with it. `ModelRunnerOutput` carries the sampled tokens. `KVCacheSpec` is what each
-worker reports about its attention layers so that the core can size the KV cache.
+step with it. `ModelRunnerOutput` carries the sampled tokens (a pooling model's vectors).
+`KVCacheSpec` is what each worker reports about its attention layers so that the core can
+size the KV cache.
 These cross the core/worker boundary, so they live in protocol/ (worker/ may not import core/).
 """
 
@@ -12,18 +13,19 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from tokenmill.protocol.messages import LogprobsArrays, SamplingParams
+from tokenmill.protocol.messages import LogprobsArrays, PoolingParams, SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: a pooling request (pooling_params)
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
     # Tokens already produced: a preempted request comes back as new, with its outputs so far.
     output_token_ids: list[int] = []
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -67,7 +69,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ign
     req_ids: list[str]
     # One list per request in req_ids: empty while a prompt is still being prefilled.
     sampled_token_ids: list[list[int]]
-    # With TOKENMILL_STEP_TIMING: seconds in "prepare", "forward", "logits", "sample".
+    # With TOKENMILL_STEP_TIMING: seconds in "prepare", "forward", "logits", "sample" (a
+    # pooling model's: "prepare", "forward", "pool").
     step_times: dict[str, float] | None = None
     # Rows for the requests that sampled a token and asked for logprobs, in req_ids order
     # (top k = the largest k asked for in the step).
@@ -78,6 +81,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):  # type: ign
     # Speculative decoding: the tokens proposed for each request's next step, made once its
     # tokens of this step are known (requests that may speculate only).
     spec_token_ids: dict[str, list[int]] = {}
+    # Pooling models: the vector (float32) of each request whose last prompt chunk ran.
+    pooler_output: dict[str, np.ndarray] = {}
 
 
 class KVCacheSpec(msgspec.Struct, frozen=True, array_like=True):  # type: ignore[call-arg]

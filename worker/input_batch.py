@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenmill.protocol.messages import SamplingParams
+from tokenmill.protocol.messages import PoolingParams, SamplingParams
 from tokenmill.protocol.scheduler_output import NewRequestData, SchedulerOutput
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.sample import SamplingStates, TokenRecord
@@ -33,7 +33,7 @@ class RequestState:
     """A request as the workers know it, whether it holds a row or is preempted."""
 
     req_id: str
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: a pooling request
     # A seeded sampled request's own stream of draws (None: the sampler's shared one).
     generator: torch.Generator | None
     # A draft model's K/V for this request: written for its first `draft_computed` tokens,
@@ -41,6 +41,7 @@ class RequestState:
     # which frees the blocks.
     draft_computed: int = 0
     draft_pending: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
 
 
 class InputBatch:
@@ -106,13 +107,15 @@ class InputBatch:
     def _add(self, new: NewRequestData) -> None:
         if new.req_id in self.row_of:
             raise ValueError(f"request {new.req_id!r} is already in the batch")
-        params: SamplingParams = new.sampling_params
+        params = new.sampling_params
         state = self.requests.get(new.req_id)
         if state is None:  # its first step (otherwise it resumes after a preemption)
             generator = None
-            if params.seed is not None and not params.greedy:
+            if params is not None and params.seed is not None and not params.greedy:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
-            state = self.requests[new.req_id] = RequestState(new.req_id, params, generator)
+            state = self.requests[new.req_id] = RequestState(
+                new.req_id, params, generator, pooling_params=new.pooling_params
+            )
         else:
             state.draft_computed, state.draft_pending = 0, []
         row = self.free_rows.pop()
@@ -126,7 +129,8 @@ class InputBatch:
         self.block_table[row] = 0
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
-        self.sampling.add(row, new, state)
+        if params is not None:  # (a pooling request samples nothing)
+            self.sampling.add(row, new, state)
 
     def append_token_lists(self, rows: np.ndarray, token_lists: list[list[int]]) -> None:
         """Appends each row's tokens (one or more), in order."""

@@ -26,6 +26,7 @@ from tokenmill.worker.attention.base import AttentionBackend
 from tokenmill.worker.layers.linear import default_weight_loader
 from tokenmill.worker.models import get_model_class
 from tokenmill.worker.platform import platform_of
+from tokenmill.worker.pooler import drop_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
             model = get_model_class(model_config.architecture)(model_config, backend)
     finally:
         torch.set_default_dtype(previous)
+    if model_config.convert_type == "embed":
+        drop_lm_head(model)
     # Which kernels quantized layers run on: the CPU kernels, Triton's (CUDA), or neither
     # (their weights de-quantized, int8's in torch).
     kernels = dict(kernels_in_use=platform_of(device).cpu_kernels(), triton=_triton_matmuls(device))
@@ -118,10 +121,12 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, Loaded]]) -> Non
     renames: dict[str, str] = getattr(model, "checkpoint_renames", {})
     splits: dict[str, list[tuple[object, int]]] = getattr(model, "fused_checkpoint_tensors", {})
     experts: dict[str, str] = getattr(model, "expert_projections", {})
-    tied = getattr(model, "tie_word_embeddings", False)
+    # A tied LM head is the embedding's; a dropped one (a pooling model's) is not loaded.
+    dropped = hasattr(model, "lm_head") and model.lm_head is None
+    skip_lm_head = getattr(model, "tie_word_embeddings", False) or dropped
     loaded: set[str] = set()
     for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")):
+        if "rotary_emb.inv_freq" in name or (skip_lm_head and name.startswith("lm_head.")):
             continue
         for theirs, ours in renames.items():
             name = name.replace(theirs, ours)
@@ -154,7 +159,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, Loaded]]) -> Non
             param = _param(params, name, name)
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
-    missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
+    missing = set(params) - loaded - ({"lm_head.weight"} if skip_lm_head else set())
     if missing:
         raise ValueError(f"the checkpoint lacks weights for: {sorted(missing)[:10]}")
 

@@ -4,13 +4,15 @@ A step is a pipeline. The host's part, `_prepare`: the persistent batch brought 
 from the diff, the scheduled tokens laid out flat (decodes first, then prefill chunks;
 worker/step.py), positions, slots and the attention metadata. The device's part,
 `_run_step`: inputs -> forward -> logits -> sample (or verify proposals) -> logprobs ->
-propose, a method per stage, each timed from outside (StageTimes). Owns the model, the KV
-cache tensors, the sampler and the proposer.
+propose, a method per stage, each timed from outside (StageTimes); a pooling model's forward
+is followed by its pooling stage instead (worker/pooler.py). Owns the model, the KV cache
+tensors, the sampler, the proposer and the pooler.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +37,7 @@ from tokenmill.worker.layers.custom_op import layer_kernels
 from tokenmill.worker.layers.rotary import LongRope
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.platform import platform_of
+from tokenmill.worker.pooler import Pooler
 from tokenmill.worker.proposer import make_proposer
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.spec_decode import ranks_within, rejection_sample
@@ -93,6 +96,9 @@ class ModelRunner:
         self.step_timing = envs.TOKENMILL_STEP_TIMING
         self._synchronize = functools.partial(self.platform.synchronize, device)  # (timing)
         self.sampler = Sampler(torch.Generator(device).manual_seed(config.model_config.seed))
+        # A pooling model's last stage instead of logits and sampling.
+        pooler_config = config.model_config.pooler_config
+        self.pooler = None if pooler_config is None else Pooler(pooler_config)
         self.proposer = make_proposer(config, device)  # speculative decoding's, if any
         # Called as each step's forward starts (the in-process executor's async scheduling
         # times the core's work to it; see UniProcExecutor).
@@ -226,6 +232,8 @@ class ModelRunner:
         proposers = [] if self.proposer is None else self.proposer.profiled_models()
         for model, backend, positions in proposers:
             self._profile_forwards(model, backend, positions, steps)
+        if self.pooler is not None:
+            return  # (no logits: the pooled vectors are a row per request)
         rows = min(sched.max_num_seqs, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         self.sampler(logits, _profile_sampling_metadata(rows, self.device))
@@ -371,8 +379,9 @@ class ModelRunner:
         """The step, and the hidden states that give logits: each sampling request's last,
         and before it one per proposed token it verifies. A request samples unless the
         scheduler says its step is part of a prompt."""
-        samples = np.ones(len(req_ids), dtype=bool)
-        if out.partial_req_ids:
+        # (A pooling model samples nothing: its requests' last chunks are pooled instead.)
+        samples = np.full(len(req_ids), self.pooler is None)
+        if out.partial_req_ids and self.pooler is None:
             partial = set(out.partial_req_ids)
             samples[[i for i, r in enumerate(req_ids) if r in partial]] = False
         drafts = num_drafts[samples]
@@ -467,22 +476,57 @@ class ModelRunner:
                 inputs = self._take_inputs(step)
             with timer.stage("forward"):
                 hidden = self._forward(step, inputs.input_ids)
-            with timer.stage("logits"):
-                prompt_logprobs = self._prompt_logprobs(step, hidden)
-                logits = None if inputs.metadata is None else self._logits(step, hidden)
-            output = ModelRunnerOutput(
-                req_ids=step.req_ids,
-                sampled_token_ids=[[] for _ in step.req_ids],
-                prompt_logprobs=prompt_logprobs,
-            )
-            if logits is not None:
-                with timer.stage("sample"):
-                    sampled = self._sample(step, logits, inputs)
-                    self._logprobs(step, logits, sampled, inputs.top_logprobs, output)
-                    self._record(step, sampled, output)
-                    self._propose(step, output)
+            if self.pooler is not None:
+                with timer.stage("pool"):
+                    output = self._pool(step, hidden)
+            else:
+                output = self._sample_stages(step, hidden, inputs)
         output.step_times = timer.times if timer.on else None
         return output
+
+    def _sample_stages(
+        self, step: PreparedStep, hidden: torch.Tensor, inputs: StepInputs
+    ) -> ModelRunnerOutput:
+        """Logits -> sample (or verify) -> logprobs -> record -> propose."""
+        timer = step.timer
+        with timer.stage("logits"):
+            prompt_logprobs = self._prompt_logprobs(step, hidden)
+            logits = None if inputs.metadata is None else self._logits(step, hidden)
+        output = ModelRunnerOutput(
+            req_ids=step.req_ids,
+            sampled_token_ids=[[] for _ in step.req_ids],
+            prompt_logprobs=prompt_logprobs,
+        )
+        if logits is not None:
+            with timer.stage("sample"):
+                sampled = self._sample(step, logits, inputs)
+                self._logprobs(step, logits, sampled, inputs.top_logprobs, output)
+                self._record(step, sampled, output)
+                self._propose(step, output)
+        return output
+
+    def _pool(self, step: PreparedStep, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """A pooling model's outputs: the vector of each request whose last prompt chunk
+        ran (the scheduler lists the others as partial); no tokens."""
+        pooler, batch = self.pooler, self.input_batch
+        assert pooler is not None and batch is not None
+        out = step.out
+        pooler.drop(out.finished_req_ids + out.preempted_req_ids)  # (preempted: recomputed)
+        partial = set(out.partial_req_ids)
+        finals = np.array([r not in partial for r in step.req_ids], dtype=bool)
+        params = {}
+        for req_id in itertools.compress(step.req_ids, finals):
+            pooling_params = batch.requests[req_id].pooling_params
+            assert pooling_params is not None, f"request {req_id} has no pooling_params"
+            params[req_id] = pooling_params
+        layout = step.layout
+        starts = layout.seq_lens - layout.query_lens
+        vectors = pooler.pool(hidden, step.req_ids, starts, layout.cu_query, finals, params)
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            sampled_token_ids=[[] for _ in step.req_ids],
+            pooler_output=vectors,
+        )
 
     def _sample(self, step: PreparedStep, logits: torch.Tensor, inputs: StepInputs) -> Sampled:
         """The tokens each sampling request emits: one sample, or its verified proposals and

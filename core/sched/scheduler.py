@@ -9,6 +9,10 @@ priority policy) is preempted: freed, re-queued, recomputed later, reusing whate
 blocks is still cached. EngineCore calls `schedule()` then, with the workers' sampled tokens,
 `update_from_output()`, which applies stop conditions and builds `EngineCoreOutputs`.
 
+A pooling model's requests are prompts only: scheduled chunk by chunk like any prompt, each
+ends (stopped) with the step that ran its last chunk, carrying the vector the workers pooled;
+its blocks go back to the pool, full ones still registered in the prefix cache.
+
 With speculative decoding a running request that holds proposed tokens (from the workers'
 last output) is scheduled for 1 + len(proposal) tokens, the proposal cut to the budget and
 to what `max_tokens` and `max_model_len` leave; the update appends the tokens the workers
@@ -55,6 +59,7 @@ class Scheduler:
         self.long_prefill_token_threshold = sched.long_prefill_token_threshold
         self.max_model_len = config.model_config.max_model_len
         self.policy = sched.policy
+        self.pooling = config.model_config.runner_type == "pooling"
         spec = config.speculative_config
         self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
         self.spec_disable_by_batch_size = None if spec is None else spec.disable_by_batch_size
@@ -152,9 +157,11 @@ class Scheduler:
         self.preempted_req_ids = set()
         scheduled = {req_id: self.requests[req_id] for req_id in num_scheduled}
         for request in scheduled.values():
-            # A step that reaches the end of the request's tokens samples the next one.
+            # A step that reaches the end of the request's tokens samples the next one (a
+            # pooling request's last chunk gives its vector instead).
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1
+                if request.pooling_params is None:
+                    request.num_output_placeholders += 1
             else:
                 output.partial_req_ids.append(request.request_id)
         self.in_flight.append(scheduled)
@@ -216,12 +223,8 @@ class Scheduler:
             if request.num_output_placeholders:
                 break  # preempted while its step ran: it resumes once that token is in
             # A request asking for prompt logprobs computes its whole prompt (as in vLLM).
-            owes_prompt_logprobs = (
-                request.sampling_params.prompt_logprobs is not None
-                and not request.prompt_logprobs_sent
-            )
             hits, num_hit_tokens = (
-                ([], 0) if owes_prompt_logprobs else kv.get_computed_blocks(request)
+                ([], 0) if request.wants_prompt_logprobs else kv.get_computed_blocks(request)
             )
             request.num_computed_tokens = num_hit_tokens
             num_new = request.num_tokens - num_hit_tokens
@@ -251,6 +254,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
                     output_token_ids=list(request.output_token_ids),
+                    pooling_params=request.pooling_params,
                 )
             )
             request.num_computed_tokens += num_new
@@ -340,6 +344,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         scheduled = self.in_flight.popleft()
+        self._finish_pooled(scheduler_output, runner_output, scheduled, outputs, stopped)
         for req_id, part in runner_output.prompt_logprobs.items():
             request = scheduled.get(req_id)
             # A request preempted mid-prompt computes it (and these logprobs) again later; one
@@ -424,6 +429,41 @@ class Scheduler:
             for request in stopped:
                 self._free(request, request.status)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+
+    def _finish_pooled(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        scheduled: dict[str, Request],
+        outputs: list[EngineCoreOutput],
+        stopped: list[Request],
+    ) -> None:
+        """Pooling requests whose last prompt chunk ran end here, stopped (as vLLM ends
+        them), with their vector; one the workers gave none for ends with an error."""
+        if not self.pooling:
+            return
+        pooled = runner_output.pooler_output
+        partial = set(scheduler_output.partial_req_ids)
+        for req_id, request in scheduled.items():
+            if request.pooling_params is None or req_id in partial or request.status.finished:
+                continue
+            vector = pooled.get(req_id)
+            output = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=[],
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                queue_time=request.queue_time,
+                pooling_output=vector,
+            )
+            if vector is None:
+                request.status = RequestStatus.FINISHED_ERROR
+                output.error = "the workers returned no pooled output for this request"
+                logger.error("request %s: %s", req_id, output.error)
+            else:
+                request.status = RequestStatus.FINISHED_STOPPED
+            output.finish_reason = request.status.finish_reason
+            outputs.append(output)
+            stopped.append(request)
 
     def _count_accepted(self, request: Request, proposal: list[int], num_accepted: int) -> None:
         """A verified proposal: the rejected tokens' K/V slots are computed again later."""
