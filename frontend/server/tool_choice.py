@@ -14,8 +14,7 @@ import json
 from typing import Any
 
 from tokenmill.frontend.server.serving import ServingError
-from tokenmill.frontend.server.tool_parsers import ToolCall
-from tokenmill.frontend.server.tool_parsers.base import arguments_json
+from tokenmill.frontend.server.tool_parsers import ToolCall, collect, named_stream, required_stream
 
 _NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
@@ -112,11 +111,24 @@ def tool_choice_schema(
     return schema
 
 
+def check_schema(schema: dict) -> None:
+    """A required or named tool_choice's schema must compile (xgrammar's own check, as vLLM
+    makes it before a request reaches the engine): else 400 naming the tools."""
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    except Exception as e:  # xgrammar's converter raises RuntimeError with the reason
+        reason = str(e).strip().rsplit(": ", 1)[-1]
+        raise ServingError(f"the tools' parameters are not a JSON schema the answer can be "
+                           f"constrained to: {reason}", 400, "tools") from None  # fmt: skip
+
+
 def constrained_calls(text: str, tool_choice: Any) -> list[ToolCall]:
     """The calls of an answer constrained by tool_choice_schema: the named function's
-    arguments (the answer's text, as vLLM passes it on), or the array of {"name",
-    "parameters"} of `required`."""
+    arguments, or the array of {"name", "parameters"} of `required`; read as their streams
+    read them (canonical JSON; an answer cut short has its arguments closed where it
+    stopped), so that a whole answer and a streamed one hold the same calls."""
     if isinstance(tool_choice, dict):
-        return [ToolCall(tool_choice["function"]["name"], text)]
-    return [ToolCall(call["name"], arguments_json(call["parameters"]))
-            for call in json.loads(text)]  # fmt: skip
+        return collect(named_stream(tool_choice["function"]["name"]), text).tool_calls
+    return collect(required_stream(), text).tool_calls

@@ -35,6 +35,8 @@ CASES = {
          [WEATHER], None),
         ('<|python_tag|>{"name": "get_weather", "arguments": {"city": "Zürich", "unit": '
          '"celsius"}}; {"name": "get_time", "parameters": {}}', [WEATHER, TIME], None),
+        # Text after the calls is dropped: a stream has sent the calls already.
+        ('{"name": "get_time", "parameters": {}} and then text', [TIME], None),
     ],
     "mistral": [
         ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Zürich", "unit": '
@@ -52,8 +54,7 @@ CASES = {
 NOT_CALLS = {
     "hermes": ["The weather is fine.", "<tool_call>{not json}</tool_call>",
                '<tool_call>{"arguments": {}}</tool_call>'],
-    "llama3_json": ["The weather is fine.", '{"name": "f", "parameters": {}} and then text',
-                    '{"no_name": 1}'],
+    "llama3_json": ["The weather is fine.", '{"no_name": 1}', '{"name": "f", "oops'],
     "mistral": ["The weather is fine.", "[TOOL_CALLS] not json", "[TOOL_CALLS]f[ARGS]{oops"],
     "pythonic": ["The weather is fine.", "[1, 2]", "[f(1)]", "[f(x=open('a'))]", "[]"],
 }  # fmt: skip

@@ -1,5 +1,7 @@
 """Tool-call parsers by name (`--tool-call-parser`, vLLM's names), one file each, imported
-when chosen. The chat serving path asks `tool_parser(name)` for the parser."""
+when chosen. The chat serving path asks `tool_parser(name)` for the parser, and streams a
+choice through `parser.stream()` (or `named_stream` / `required_stream` for a constrained
+tool_choice)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,13 @@ from tokenmill.frontend.server.tool_parsers.base import (
     ExtractedToolCalls,
     ToolCall,
     ToolParser,
+    collect,
+)
+from tokenmill.frontend.server.tool_parsers.constrained import named_stream, required_stream
+from tokenmill.frontend.server.tool_parsers.streaming import (
+    StreamDelta,
+    ToolCallDelta,
+    ToolStream,
 )
 
 TOOL_PARSERS = {
@@ -28,4 +37,16 @@ def tool_parser(name: str) -> ToolParser:
     return getattr(importlib.import_module(module), cls)()
 
 
-__all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "ToolCall", "ToolParser", "tool_parser"]
+__all__ = [
+    "TOOL_PARSERS",
+    "ExtractedToolCalls",
+    "StreamDelta",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "ToolStream",
+    "collect",
+    "named_stream",
+    "required_stream",
+    "tool_parser",
+]

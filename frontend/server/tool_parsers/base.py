@@ -1,6 +1,7 @@
 """What every tool-call parser gives: the calls a chat answer's text holds, and the text
 around them that stays content. The chat serving path (with `--enable-auto-tool-choice`)
-hands a parser the model's detokenized output; the calls go out as OpenAI `tool_calls`."""
+streams each choice through the parser's `stream()` (streaming.py); a whole answer is the
+same stream fed at once (`collect`), so both ways read an answer the same."""
 
 from __future__ import annotations
 
@@ -8,14 +9,21 @@ import json
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.frontend.server.tool_parsers.streaming import ToolStream
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    id: str = field(default_factory=tool_call_id)
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function",
@@ -38,12 +46,25 @@ class ToolParser(ABC):
     keeps_special_tokens: bool = False
 
     @abstractmethod
+    def stream(self) -> ToolStream:
+        """A fresh stream for one choice's answer."""
+
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        """The calls in a whole answer; text that is not a well-formed call stays content."""
+        """The calls in a whole answer: what its stream gives for the answer in one piece."""
+        return collect(self.stream(), text)
 
 
-def no_calls(text: str) -> ExtractedToolCalls:
-    return ExtractedToolCalls(False, [], text)
+def collect(stream: ToolStream, text: str) -> ExtractedToolCalls:
+    """A whole answer through a stream: its content deltas joined, its calls assembled."""
+    parts = [stream.feed(text), stream.finish()]
+    content = "".join(part.content for part in parts)
+    calls: list[ToolCall] = []
+    for delta in (delta for part in parts for delta in part.tool_calls):
+        if delta.id is not None and delta.name is not None:  # a call's first delta
+            calls.append(ToolCall(delta.name, delta.arguments, delta.id))
+        else:
+            calls[delta.index].arguments += delta.arguments
+    return ExtractedToolCalls(bool(calls), calls, (content or None) if calls else content)
 
 
 def arguments_json(arguments: Any) -> str:
@@ -61,11 +82,3 @@ def arguments_json(arguments: Any) -> str:
     if not isinstance(arguments, dict):
         raise ValueError(f"tool call arguments must be an object, got {arguments!r}")
     return json.dumps(arguments, ensure_ascii=False)
-
-
-def call_from_object(obj: Any, arguments_keys: tuple[str, ...] = ("arguments",)) -> ToolCall:
-    """A call written as {"name": ..., "arguments": {...}} (or another arguments key)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise ValueError(f"a tool call must be an object with a name, got {obj!r}")
-    arguments = next((obj[k] for k in arguments_keys if k in obj), {})
-    return ToolCall(obj["name"], arguments_json(arguments))

@@ -1,20 +1,20 @@
 """Mistral's calls: after the [TOOL_CALLS] token, a JSON list of {"name", "arguments"}
-objects (tokenizers before v11), or name[ARGS]{...} per call (v11 on). The text before
-[TOOL_CALLS] is content. Mistral's call ids are 9 letters and digits."""
+objects, or one such object (tokenizers before v11), or name[ARGS]{...} per call, each
+after its own [TOOL_CALLS] (v11 on). The text before [TOOL_CALLS] is content; the first
+character after it picks the format. Mistral's call ids are 9 letters and digits. Streamed
+by the rules of streaming.py."""
 
 from __future__ import annotations
 
-import json
 import random
 import string
 
-from tokenmill.frontend.server.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolCall,
-    ToolParser,
-    arguments_json,
-    call_from_object,
-    no_calls,
+from tokenmill.frontend.server.tool_parsers.base import ToolParser
+from tokenmill.frontend.server.tool_parsers.streaming import (
+    ToolStream,
+    could_be,
+    find_marker,
+    skip,
 )
 
 _BOT = "[TOOL_CALLS]"
@@ -26,35 +26,67 @@ def mistral_call_id() -> str:
     return "".join(random.choices(_ID_CHARS, k=9))
 
 
+class MistralStream(ToolStream):
+    def __init__(self) -> None:
+        super().__init__(make_id=mistral_call_id)
+        self._state = self._before
+        self._name: list[str] = []
+
+    def _before(self, text: str, pos: int, final: bool) -> int | None:
+        cut, found = find_marker(text, pos, _BOT, final)
+        self._content.append(text[pos:cut])
+        if not found:
+            return cut if cut > pos else None
+        self._hold(cut)
+        self._state = self._start
+        return cut + len(_BOT)
+
+    def _gap(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
+        """Past whitespace and [TOOL_CALLS] tokens; and whether the text may go on with one."""
+        while True:
+            pos = skip(text, pos)
+            if not text.startswith(_BOT, pos):
+                return pos, pos == len(text) or could_be(text, pos, _BOT, final)
+            pos += len(_BOT)
+
+    def _start(self, text: str, pos: int, final: bool) -> int | None:
+        """After the first [TOOL_CALLS]: which format."""
+        start, (pos, wait) = pos, self._gap(text, pos, final)
+        if wait:
+            return pos if pos > start else None
+        if text[pos] == "[":
+            self._state = self._list_item
+            return pos + 1
+        if text[pos] == "{":
+            self._open_call()
+            return pos
+        self._state = self._read_name
+        return pos
+
+    def _read_name(self, text: str, pos: int, final: bool) -> int | None:
+        """A v11 call's name, up to [ARGS]."""
+        cut, found = find_marker(text, pos, _ARGS, final)
+        self._name.append(text[pos:cut])
+        if not found:
+            return cut if cut > pos else None
+        name, self._name = "".join(self._name).strip(), []
+        if not name:
+            return self._fail(text, cut)
+        self._after_call = self._next_name
+        self._open_call(name)
+        return cut + len(_ARGS)
+
+    def _next_name(self, text: str, pos: int, final: bool) -> int | None:
+        start, (pos, wait) = pos, self._gap(text, pos, final)
+        if wait:
+            return pos if pos > start else None
+        self._state = self._read_name
+        return pos
+
+
 class MistralToolParser(ToolParser):
     name = "mistral"
     keeps_special_tokens = True
 
-    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        if _BOT not in text:
-            return no_calls(text)
-        content, _, rest = text.partition(_BOT)
-        try:
-            calls = self._calls(rest.replace(_BOT, "").strip())
-        except ValueError:
-            return no_calls(text)
-        for call in calls:
-            call.id = mistral_call_id()
-        return ExtractedToolCalls(True, calls, content or None)
-
-    @staticmethod
-    def _calls(body: str) -> list[ToolCall]:
-        if _ARGS not in body:
-            parsed = json.loads(body)
-            items = parsed if isinstance(parsed, list) else [parsed]
-            return [call_from_object(item) for item in items]
-        calls = []
-        decoder = json.JSONDecoder()
-        while body:
-            name, sep, after = body.partition(_ARGS)
-            if not sep or not name.strip():
-                raise ValueError(f"a call without a name or [ARGS]: {body!r}")
-            arguments, end = decoder.raw_decode(after.lstrip())
-            calls.append(ToolCall(name.strip(), arguments_json(arguments)))
-            body = after.lstrip()[end:].strip()
-        return calls
+    def stream(self) -> MistralStream:
+        return MistralStream()
