@@ -245,7 +245,15 @@ class OutputProcessor:
         stopped = False
         if state.detokenizer is not None:
             previous_len = len(state.text)
-            state.detokenizer.update(out.new_token_ids)
+            shown = out.new_token_ids
+            if (
+                out.finish_reason == FinishReason.STOP
+                and not state.params.include_stop_str_in_output
+            ):
+                # The core stops on a token (EOS, a stop token id, a grammar's end): it ends
+                # the text without being in it, also when special tokens are kept (vLLM's).
+                shown = shown[:-1]
+            state.detokenizer.update(shown)
             if out.finish_reason is not None:
                 state.detokenizer.finish()
             state.text = state.detokenizer.output_text
