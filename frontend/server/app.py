@@ -35,10 +35,12 @@ from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.frontend.metrics import PrometheusStatLogger
 from tokenmill.frontend.server.auth import add_api_key_check
 from tokenmill.frontend.server.errors import ERROR_HANDLERS
-from tokenmill.frontend.server.routes import generate, health, models
+from tokenmill.frontend.server.routes import embeddings, generate, health, models
 from tokenmill.frontend.server.serving_chat import OpenAIServingChat
 from tokenmill.frontend.server.serving_completion import OpenAIServingCompletion
+from tokenmill.frontend.server.serving_embedding import OpenAIServingEmbedding
 from tokenmill.frontend.server.state import ServerState
+from tokenmill.frontend.server.tool_parsers import TOOL_PARSERS
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import add_engine_args, engine_args_from
 from tokenmill.protocol.default_model import DEFAULT_MODEL
@@ -56,17 +58,31 @@ def build_app(
     stat_logger: PrometheusStatLogger | None = None,
     trust_request_chat_template: bool = False,
     model_root: str | None = None,
+    chat_template: str | None = None,
+    enable_auto_tools: bool = False,
+    tool_parser: str | None = None,
 ) -> FastAPI:
     """The server's app: its routes (server/routes/), the error bodies (server/errors.py) and,
     with `api_key`, the key check (server/auth.py), over one ServerState. model_root: what
     /v1/models reports as the served model's root (the model as the user named it; by default
-    its folder's name, never a path on this machine)."""
+    its folder's name, never a path on this machine). chat_template, enable_auto_tools and
+    tool_parser: the chat route's (--chat-template, --enable-auto-tool-choice,
+    --tool-call-parser)."""
+    pooling = engine.model_config.runner_type == "pooling"
     state = ServerState(
         engine=engine,
         model_name=model_name,
         root=model_root or os.path.basename(engine.model_config.model.rstrip("/")),
         completion=OpenAIServingCompletion(engine, model_name),
-        chat=OpenAIServingChat(engine, model_name, trust_request_chat_template),
+        chat=OpenAIServingChat(
+            engine,
+            model_name,
+            trust_request_chat_template,
+            chat_template,
+            enable_auto_tools,
+            tool_parser,
+        ),
+        embedding=OpenAIServingEmbedding(engine, model_name, chat_template) if pooling else None,
         stat_logger=stat_logger,
         started=time.time(),
     )
@@ -81,7 +97,8 @@ def build_app(
         add_api_key_check(app, api_key)
     app.include_router(health.router)
     app.include_router(models.router)
-    app.include_router(generate.router)
+    # A pooling model embeds; a generating one generates (vLLM's routes by runner).
+    app.include_router(embeddings.router if pooling else generate.router)
     return app
 
 
@@ -136,6 +153,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let requests bring their own chat_template (rendered on the server)",
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template (a file, or the template itself) over the model's own",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": the tool parser turns answers into tool calls',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls (for --enable-auto-tool-choice)",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--disable-access-log", action="store_true", help="no log line per HTTP request"
@@ -160,6 +193,9 @@ def serve(args: argparse.Namespace) -> int:
                 f"tokenmill serve: two models given: {args.model_tag} and --model {args.model}"
             )
         args.model = args.model_tag
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        sys.exit("tokenmill serve: --enable-auto-tool-choice needs --tool-call-parser")
+    chat_template = load_chat_template(args.chat_template)
     if args.engine_address is not None:
         engine = AsyncLLM(engine_address=args.engine_address)
     else:
@@ -186,7 +222,15 @@ def serve(args: argparse.Namespace) -> int:
     given = args.model or DEFAULT_MODEL
     root = os.path.basename(given.rstrip("/")) if os.path.exists(given) else given
     app = build_app(
-        engine, model_name, api_key, stat_logger, args.trust_request_chat_template, root
+        engine,
+        model_name,
+        api_key,
+        stat_logger,
+        args.trust_request_chat_template,
+        root,
+        chat_template,
+        args.enable_auto_tool_choice,
+        args.tool_call_parser,
     )
     config = uvicorn.Config(
         app,
@@ -212,6 +256,19 @@ def serve(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(server, engine))
     finally:
         engine.shutdown()
+
+
+def load_chat_template(given: str | None) -> str | None:
+    """--chat-template: a file's text, or (no such file, and it reads as a Jinja template)
+    the template itself, as vLLM takes it."""
+    if given is None:
+        return None
+    if os.path.isfile(given):
+        with open(given, encoding="utf-8") as f:
+            return f.read()
+    if any(mark in given for mark in ("{{", "{%")):
+        return given
+    sys.exit(f"tokenmill serve: --chat-template {given!r} is neither a file nor a template")
 
 
 async def _serve(server: Any, engine: AsyncLLM) -> int:

@@ -1,7 +1,7 @@
 """The OpenAI API's request bodies (pydantic models), with vLLM's extra sampling fields.
 
 Unknown fields are refused (a typo must not pass silently), and so are OpenAI fields this
-engine does not have (tools, audio, ...): `unsupported_fields()` names them, and the server
+engine does not have (audio, web search, ...): `unsupported_fields()` names them, and the server
 answers 400. OpenAI fields that change nothing in the answer (`user`, `metadata`, caching
 hints, `service_tier`) are accepted and ignored, as vLLM ignores them. Responses are plain
 dicts built in serving.py.
@@ -192,10 +192,11 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
-    parallel_tool_calls: Optional[bool] = None  # without tools it has nothing to act on
-    # OpenAI fields without an engine behind them (refused when they ask for something).
+    # Function tools (checked in tool_choice.py, as vLLM checks them).
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    # OpenAI fields without an engine behind them (refused when they ask for something).
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
@@ -207,7 +208,6 @@ class ChatCompletionRequest(_SamplingFields):
     store: Optional[bool] = None
 
     _UNSUPPORTED = (
-        "tools",
         "functions",
         "audio",
         "prediction",
@@ -218,8 +218,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported_fields(self) -> list[str]:
         found = super().unsupported_fields()
-        if self.tool_choice not in (None, "none"):
-            found.append("tool_choice")
         if self.function_call not in (None, "none"):
             found.append("function_call")
         if self.modalities not in (None, ["text"]):
@@ -237,9 +235,41 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None  # to the chat template, as in a chat request
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Strict):
     model: Optional[str] = None
     tokens: list[int]
+
+
+class _EmbeddingFields(_Strict):
+    """What both embeddings bodies share (vLLM's EmbeddingCompletionRequest and
+    EmbeddingChatRequest)."""
+
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    # Matryoshka models only: the first `dimensions` of the vector (normalized after).
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    # vLLM's: keep only k prompt tokens (-1: max_model_len of them), the last ones.
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    # vLLM's: override the pooler's normalization for this request.
+    normalize: Optional[bool] = None
+    priority: int = 0
+
+
+class EmbeddingCompletionRequest(_EmbeddingFields):
+    input: Union[str, list[str], list[int], list[list[int]]]
+    add_special_tokens: bool = True
+
+
+class EmbeddingChatRequest(_EmbeddingFields):
+    messages: list[ChatMessage]
+    # vLLM's defaults for embedding a chat: no generation prompt, no tokenizer specials.
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None

@@ -107,7 +107,7 @@ class OpenAIServing:
 
     def check_supported(self, body: _SamplingFields) -> None:
         for name in body.unsupported_fields():
-            what = " (function calling)" if "tool" in name or "function" in name else ""
+            what = " (use tools and tool_choice)" if "function" in name else ""
             raise ServingError(f"{name} is not supported by this server{what}", 400, name)
         if body.n < 1:
             raise ServingError(f"n must be at least 1, got {body.n}", 400, "n")
@@ -142,9 +142,13 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
         max_tokens_field: str = "max_tokens",
+        constraint: tuple[str, dict[str, Any]] | None = None,
+        skip_special_tokens: bool | None = None,
     ) -> SamplingParams:
         """SamplingParams from a body; a bad value is a 400 naming its field (max_tokens
-        under the name the client gave it)."""
+        under the name the client gave it). `constraint`: a structured output the server
+        adds (a tool_choice's schema: (field, spec)); `skip_special_tokens` overrides the
+        body's (a tool parser whose markers are special tokens)."""
         if max_tokens is not None and max_tokens < 1:
             raise ServingError(
                 f"{max_tokens_field} must be at least 1, got {max_tokens}", 400, max_tokens_field
@@ -166,7 +170,9 @@ class OpenAIServing:
             "stop_token_ids": body.stop_token_ids,
             "ignore_eos": body.ignore_eos,
             "include_stop_str_in_output": body.include_stop_str_in_output,
-            "skip_special_tokens": body.skip_special_tokens,
+            "skip_special_tokens": body.skip_special_tokens
+            if skip_special_tokens is None
+            else skip_special_tokens,
             "spaces_between_special_tokens": body.spaces_between_special_tokens,
             "presence_penalty": body.presence_penalty,
             "frequency_penalty": body.frequency_penalty,
@@ -175,7 +181,7 @@ class OpenAIServing:
             "bad_words": body.bad_words,
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
-            "structured_outputs": self._structured(body),
+            "structured_outputs": self._structured(body, constraint),
             "truncate_prompt_tokens": body.truncate_prompt_tokens,
             "truncation_side": body.truncation_side or "left",
             "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
@@ -197,8 +203,10 @@ class OpenAIServing:
             param = re.split(r"[ .\[:]", message, maxsplit=1)[0]
             raise ServingError(message, 400, param if param in fields else None) from None
 
-    def _structured(self, body: _SamplingFields) -> StructuredOutputsParams | None:
-        specs: list[tuple[str, dict[str, Any]]] = []
+    def _structured(
+        self, body: _SamplingFields, constraint: tuple[str, dict[str, Any]] | None = None
+    ) -> StructuredOutputsParams | None:
+        specs: list[tuple[str, dict[str, Any]]] = [constraint] if constraint else []
         fmt = body.response_format
         if fmt is not None and fmt.type == "json_object":
             specs.append(("response_format", {"json_object": True}))
@@ -233,7 +241,7 @@ class OpenAIServing:
             return None
         if len(specs) > 1:
             names = [name for name, _ in specs]
-            raise ServingError(f"give one structured output constraint, got {names}", 400)
+            raise ServingError(f"give one structured output constraint, got {names}", 400, names[0])
         name, spec = specs[0]
         if isinstance(spec.get("json"), str):  # a schema as JSON text must parse
             try:
@@ -247,6 +255,26 @@ class OpenAIServing:
         except msgspec.ValidationError as e:
             message = describe_validation_error(e, spec, StructuredOutputsParams)
             raise ServingError(f"{name}: {message}", 400, name) from None
+
+    async def prompts(
+        self, given: Any, add_special_tokens: bool, field: str = "prompt"
+    ) -> list[dict[str, Any]]:
+        """The prompts of a completions `prompt` or an embeddings `input`: a text, texts, a
+        token list or token lists (tokenized off the loop); none may be empty."""
+        if isinstance(given, str):
+            texts: list[str] = [given]
+        elif given and all(isinstance(p, str) for p in given):
+            texts = list(given)
+        elif given and all(isinstance(p, int) for p in given):
+            return [{"prompt_token_ids": list(given)}]
+        elif given and all(isinstance(p, list) and p for p in given):
+            return [{"prompt_token_ids": list(p)} for p in given]
+        else:
+            raise ServingError(f"{field} must not be empty", 400, field)
+        prompts = [await self.engine.encode_prompt(text, add_special_tokens) for text in texts]
+        if any(not prompt["prompt_token_ids"] for prompt in prompts):
+            raise ServingError(f"{field} must not be empty", 400, field)
+        return prompts
 
     def truncated(self, prompt: dict[str, Any], body: _SamplingFields) -> dict[str, Any]:
         """The prompt as the engine will see it under truncate_prompt_tokens (its length is
@@ -531,32 +559,32 @@ def whole_response(head: dict[str, Any], kind: str, choices: list, usage: dict) 
     return response
 
 
-def chat_message(role: str, content: str) -> dict[str, Any]:
-    """An answer's message, with OpenAI's fields this server never fills as null (and no
-    tool calls, as vLLM sends it)."""
+def chat_message(
+    role: str, content: str | None, tool_calls: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """An answer's message, with OpenAI's fields this server never fills as null (and an
+    empty list of tool calls when there are none, as vLLM sends it)."""
     return {"role": role, "content": content, "refusal": None, "annotations": None,
-            "audio": None, "function_call": None, "tool_calls": []}  # fmt: skip
+            "audio": None, "function_call": None, "tool_calls": tool_calls or []}  # fmt: skip
 
 
 def _message_dict(message: Any, index: int) -> dict[str, Any]:
-    """A chat message as the template expects it: text content only."""
-    if (
-        message.role in ("tool", "function")
-        or message.tool_calls
-        or message.tool_call_id
-        or (message.function_call)
-    ):
+    """A chat message as the template expects it: text content, and an assistant's tool
+    calls or a tool answer's call id (render_chat turns the calls' arguments into objects)."""
+    where = f"messages[{index}]"
+    if message.role == "function" or message.function_call:
         raise ServingError(
-            "tool messages and tool calls are not supported by this server (function calling)",
+            "the legacy function_call and function messages are not supported; use tools, "
+            "tool_calls and tool messages",
             400,
-            f"messages[{index}]",
+            where,
         )
     if message.audio is not None:
         raise ServingError(
             "messages that refer to an audio answer are not supported by this server (no "
             "audio output)",
             400,
-            f"messages[{index}].audio",
+            f"{where}.audio",
         )
     content = message.content
     if isinstance(content, list):
@@ -566,14 +594,39 @@ def _message_dict(message: Any, index: int) -> dict[str, Any]:
             text = {"text": part.text, "refusal": part.refusal}.get(part.type)
             if text is None:
                 raise ServingError(
-                    f"messages[{index}].content holds a part of type {part.type!r}; only text "
+                    f"{where}.content holds a part of type {part.type!r}; only text "
                     "(and refusal) parts are supported",
                     400,
-                    f"messages[{index}].content",
+                    f"{where}.content",
                 )
             texts.append(text)
         content = "\n".join(texts)  # as vLLM joins text parts
     result = {"role": message.role, "content": content or ""}
     if message.name is not None:
         result["name"] = message.name
+    if message.tool_calls:
+        for k, call in enumerate(message.tool_calls):
+            _check_tool_call(call, f"{where}.tool_calls[{k}]")
+        result["tool_calls"] = list(message.tool_calls)
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
     return result
+
+
+def _check_tool_call(call: Any, where: str) -> None:
+    """An assistant's earlier call, as OpenAI writes it: {"id", "type": "function",
+    "function": {"name", "arguments"}} (arguments a JSON string, or an object)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ServingError(
+            f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+            f'"arguments": ...}}}}, got {call!r}',
+            400,
+            where,
+        )
+    if not isinstance(function.get("arguments", "{}"), (str, dict)):
+        raise ServingError(
+            f"{where}.function.arguments must be a JSON string or an object",
+            400,
+            f"{where}.function.arguments",
+        )

@@ -1,5 +1,11 @@
 """/v1/chat/completions: messages under the model's chat template -> OpenAI's chat
-completions, whole or streamed (a role chunk first), with logprobs in OpenAI's chat format."""
+completions, whole or streamed (a role chunk first), with logprobs in OpenAI's chat format.
+
+Tools, as vLLM serves them: they always reach the template; `tool_choice` "auto" hands the
+answer to the server's tool parser (--enable-auto-tool-choice --tool-call-parser NAME),
+"required" and a named function constrain the answer with a JSON schema built from the tools
+(tool_choice.py) and read the calls back from it. A stream runs each choice's text through
+its own incremental tool stream (tool_parsers/streaming.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +29,45 @@ from tokenmill.frontend.server.serving import (
     chat_message,
     whole_response,
 )
+from tokenmill.frontend.server.tool_choice import (
+    check_schema,
+    check_tools,
+    constrained_calls,
+    tool_choice_schema,
+)
+from tokenmill.frontend.server.tool_parsers import (
+    ToolParser,
+    ToolStream,
+    named_stream,
+    required_stream,
+    tool_parser,
+)
+
+_AUTO_NEEDS_FLAGS = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+)
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self,
+        engine: Any,
+        model_name: str,
+        trust_request_chat_template: bool = False,
+        chat_template: str | None = None,
+        enable_auto_tools: bool = False,
+        tool_parser_name: str | None = None,
+    ) -> None:
+        """chat_template: the server's (--chat-template), over the model's own.
+        enable_auto_tools and tool_parser_name: what serves tool_choice "auto" (both
+        needed, as in vLLM)."""
+        super().__init__(engine, model_name, trust_request_chat_template)
+        self.chat_template = chat_template
+        self.tool_parser: ToolParser | None = None
+        if tool_parser_name is not None:
+            self.tool_parser = tool_parser(tool_parser_name)
+        self.enable_auto_tools = enable_auto_tools
+
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(body.model)
         self.check_supported(body)
@@ -37,6 +79,20 @@ class OpenAIServingChat(OpenAIServing):
                 400,
                 "chat_template",
             )
+        tool_choice = check_tools(body.tools, body.tool_choice)
+        auto = tool_choice == "auto"
+        if auto and not (self.enable_auto_tools and self.tool_parser is not None):
+            raise ServingError(_AUTO_NEEDS_FLAGS, 400, "tool_choice")
+        if body.use_beam_search and (tool_choice == "required" or isinstance(tool_choice, dict)):
+            raise ServingError(
+                "use_beam_search does not constrain its beams: tool_choice must be "
+                '"none" or "auto"',
+                400,
+                "tool_choice",
+            )
+        schema = tool_choice_schema(body.tools or [], tool_choice, body.parallel_tool_calls)
+        if schema is not None:
+            check_schema(schema)
         messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
         if body.top_logprobs is not None and not body.logprobs:
             raise ServingError("top_logprobs needs logprobs=true", 400, "top_logprobs")
@@ -46,10 +102,11 @@ class OpenAIServingChat(OpenAIServing):
         try:
             prompt = await self.engine.encode_chat(
                 messages,
-                body.chat_template,
+                body.chat_template or self.chat_template,
                 body.add_generation_prompt and not body.continue_final_message,
                 continue_final_message=body.continue_final_message,
                 add_special_tokens=body.add_special_tokens,
+                tools=body.tools,
                 **template_kwargs,
             )
         except Exception as e:  # a template that cannot render these messages
@@ -73,30 +130,53 @@ class OpenAIServingChat(OpenAIServing):
             search, result = await self.beam_search(
                 raw, prompt, self.beam_params(body, max_tokens), request_id
             )
-            choices = [
-                {"index": k, "message": chat_message("assistant", self.beam_text(search, beam)),
-                 "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": None,
-                 "token_ids": beam.tokens[search.prompt_len :] if body.return_token_ids else None}
-                for k, beam in enumerate(result.sequences)
-            ]  # fmt: skip
+            choices = []
+            for k, beam in enumerate(result.sequences):
+                message, finish_reason = self._message(
+                    tool_choice, "assistant", self.beam_text(search, beam), beam.finish_reason
+                )
+                choices.append(
+                    {"index": k, "message": message, "logprobs": None,
+                     "finish_reason": finish_reason, "stop_reason": None,
+                     "token_ids": beam.tokens[search.prompt_len :] if body.return_token_ids
+                     else None}
+                )  # fmt: skip
             generated = sum(len(b.tokens) - search.prompt_len for b in result.sequences)
             usage = _usage(search.prompt_len, generated)
             return whole_response(head, "chat.completion", choices, usage)
-        params = self.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, field)
+        # A parser whose markers are special tokens reads the answer with them (vLLM's
+        # adjust_request).
+        keep_special = (
+            auto and self.tool_parser is not None and self.tool_parser.keeps_special_tokens
+        )
+        params = self.sampling_params(
+            body,
+            max_tokens,
+            logprobs,
+            body.prompt_logprobs,
+            field,
+            constraint=("tool_choice", {"json": schema}) if schema is not None else None,
+            skip_special_tokens=False if keep_special else None,
+        )
         prepared = await self._prepare([prompt], params, request_id, body.priority)
         if body.stream:
             return self._stream(
                 raw,
                 prepared,
                 lambda outputs: self._chat_chunks(
-                    body, prepared, head, outputs, continuous_usage, role, echoed
+                    body, prepared, head, outputs, continuous_usage, role, echoed, tool_choice
                 ),
                 self.min_characters(body),
             )
         (out,) = await self._collect(raw, prepared)
-        choices = [
-            self._choice(body, c, message=chat_message(role, echoed + c.text)) for c in out.outputs
-        ]
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = self._message(
+                tool_choice, role, c.text, c.finish_reason, echoed
+            )
+            choices.append(
+                {**self._choice(body, c, message=message), "finish_reason": finish_reason}
+            )
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         usage = _usage(len(out.prompt_token_ids), completion_tokens)
         response = whole_response(head, "chat.completion", choices, usage)
@@ -105,6 +185,38 @@ class OpenAIServingChat(OpenAIServing):
         if body.return_token_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
         return response
+
+    def _message(
+        self, tool_choice: Any, role: str, text: str, finish_reason: str | None, echoed: str = ""
+    ) -> tuple[dict[str, Any], str | None]:
+        """A whole answer's message (echoed text before plain content) and finish reason."""
+        content, calls = self._answer(tool_choice, text)
+        message = chat_message(role, content if calls else echoed + text, calls)
+        return message, _finish_reason(tool_choice, bool(calls), finish_reason)
+
+    def _answer(self, tool_choice: Any, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A whole answer's (content, tool calls) under the request's tool_choice: a named
+        function's arguments, required's array of calls, or what the parser finds (auto);
+        an answer without calls stays text."""
+        if isinstance(tool_choice, dict) or tool_choice == "required":
+            calls = constrained_calls(text, tool_choice)
+            return ("", [call.as_openai() for call in calls]) if calls else (text, [])
+        if tool_choice == "auto":
+            assert self.tool_parser is not None
+            extracted = self.tool_parser.extract_tool_calls(text)
+            if extracted.tools_called:
+                return extracted.content, [call.as_openai() for call in extracted.tool_calls]
+        return text, []
+
+    def _tool_stream(self, tool_choice: Any) -> ToolStream | None:
+        if isinstance(tool_choice, dict):
+            return named_stream(tool_choice["function"]["name"])
+        if tool_choice == "required":
+            return required_stream()
+        if tool_choice == "auto":
+            assert self.tool_parser is not None
+            return self.tool_parser.stream()
+        return None
 
     async def _chat_chunks(
         self,
@@ -115,10 +227,14 @@ class OpenAIServingChat(OpenAIServing):
         continuous_usage: bool,
         role: str = "assistant",
         echoed: str = "",
+        tool_choice: Any = None,
     ) -> AsyncIterator[dict[str, Any]]:
         head = {**head, "object": "chat.completion.chunk"}
         num_prompt_tokens = len(prepared[0][0].prompt_token_ids)
         completion_tokens = [0] * body.n
+        streams = [self._tool_stream(tool_choice) for _ in range(body.n)]
+        # What a chunk must carry even without text: its logprobs or token ids.
+        carries = body.logprobs or body.return_token_ids or body.prompt_logprobs is not None
         for i in range(body.n):  # first, each choice's role (as OpenAI streams it)
             first = {
                 **head,
@@ -148,9 +264,22 @@ class OpenAIServingChat(OpenAIServing):
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue  # nothing new to show
                 completion_tokens[c.index] += len(c.token_ids)
-                # Content even when empty (the last chunk's), as vLLM streams it.
-                delta = {"content": c.text}
-                chunk = {**head, "choices": [self._choice(body, c, delta=delta)]}
+                stream = streams[c.index]
+                if stream is None:
+                    # Content even when empty (the last chunk's), as vLLM streams it.
+                    delta: dict[str, Any] = {"content": c.text}
+                else:
+                    delta = _tool_delta(stream, c.text, c.finished())
+                    if not (delta or c.finished() or carries):
+                        continue  # held back by the tool stream
+                    if c.finished() and not delta:
+                        delta = {"content": ""}
+                choice = self._choice(body, c, delta=delta)
+                if c.finished() and stream is not None:
+                    choice["finish_reason"] = _finish_reason(
+                        tool_choice, stream.tools_called, c.finish_reason
+                    )
+                chunk = {**head, "choices": [choice]}
                 if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
                     chunk["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
                 if continuous_usage:
@@ -210,3 +339,34 @@ def _token_logprob(token_id: int, lp: Logprob, as_token_id: bool = False) -> dic
         "logprob": max(lp.logprob, _MIN_LOGPROB),
         "bytes": list(token.encode("utf-8")),
     }
+
+
+def _finish_reason(tool_choice: Any, called: bool, finish_reason: str | None) -> str | None:
+    """vLLM's: "tool_calls" when the parser found calls (auto) or a required answer ended;
+    a named function's answer keeps the model's own reason."""
+    if called and (
+        tool_choice == "auto" or (tool_choice == "required" and finish_reason == "stop")
+    ):
+        return "tool_calls"
+    return finish_reason
+
+
+def _tool_delta(stream: ToolStream, text: str, finished: bool) -> dict[str, Any]:
+    """A chunk's delta through a choice's tool stream: content and tool-call deltas, with
+    what the stream held back at the end."""
+    parts = [stream.feed(text)] + ([stream.finish()] if finished else [])
+    content = "".join(part.content for part in parts)
+    calls: list[dict[str, Any]] = []
+    for part in parts:
+        for call in part.tool_calls:
+            shown = call.as_openai()
+            if calls and calls[-1]["index"] == call.index and call.name is None:
+                calls[-1]["function"]["arguments"] += call.arguments  # one entry per call
+            else:
+                calls.append(shown)
+    delta: dict[str, Any] = {}
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta

@@ -34,7 +34,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 400,
                 "best_of",
             )
-        prompts = [self.truncated(p, body) for p in await self._completion_prompts(body)]
+        given = await self.prompts(body.prompt, body.add_special_tokens)
+        prompts = [self.truncated(p, body) for p in given]
         for prompt in prompts:
             self.check_length(len(prompt["prompt_token_ids"]), body.max_tokens)
             if body.echo and prompt.get("prompt") is None:  # echo a token prompt as text
@@ -109,26 +110,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(choice)
         usage = _usage(prompt_tokens, completion_tokens)
         return whole_response(head, "text_completion", choices, usage)
-
-    async def _completion_prompts(self, body: CompletionRequest) -> list[dict[str, Any]]:
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            texts: list[str] = [prompt]
-        elif prompt and all(isinstance(p, str) for p in prompt):
-            texts = list(prompt)  # type: ignore[arg-type]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            return [{"prompt_token_ids": list(prompt)}]  # type: ignore[arg-type]
-        elif prompt and all(isinstance(p, list) and p for p in prompt):
-            return [{"prompt_token_ids": list(p)} for p in prompt]  # type: ignore[union-attr]
-        else:
-            raise ServingError("prompt must not be empty", 400, "prompt")
-        prompts = []
-        for text in texts:
-            prompts.append(await self.engine.encode_prompt(text, body.add_special_tokens))
-        for prompt_dict in prompts:
-            if not prompt_dict["prompt_token_ids"]:
-                raise ServingError("prompt must not be empty", 400, "prompt")
-        return prompts
 
     async def _completion_chunks(
         self,

@@ -1,7 +1,8 @@
 """What every route of the server shares: the engine, the served model's names and the two
 OpenAI servings, in one `ServerState` that build_app (server/app.py) puts on
 `app.state.server`. Routes (server/routes/) take it as a `State` parameter; nothing in it
-changes after the app is built.
+changes after the app is built. A pooling model is served by `embedding`; a generating one
+by `completion` and `chat` (/tokenize reads those for either).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.frontend.metrics import PrometheusStatLogger
 from tokenmill.frontend.server.serving_chat import OpenAIServingChat
 from tokenmill.frontend.server.serving_completion import OpenAIServingCompletion
+from tokenmill.frontend.server.serving_embedding import OpenAIServingEmbedding
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class ServerState:
     root: str  # what /v1/models reports as the model's root (never a path on this machine)
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    embedding: OpenAIServingEmbedding | None  # a pooling model's (and then no chat, no completions)
     stat_logger: PrometheusStatLogger | None
     started: float  # when the app was built: the model's "created" in /v1/models
 

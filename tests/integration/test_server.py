@@ -429,12 +429,14 @@ def test_bad_bodies_get_clear_errors_and_the_server_goes_on(server, client) -> N
         f"{server}/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
     )
-    assert chat.status_code == 400 and chat.json()["error"]["param"] == "tools"
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "tools[0].function"
     template = httpx.post(
         f"{server}/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"},
     )
     assert template.status_code == 400 and "trust-request-chat-template" in template.text
+    # A generating model has no embeddings route (a pooling model has no generating ones).
+    assert httpx.post(f"{server}/v1/embeddings", json={"input": "hi"}).status_code == 404
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=-5)
     with pytest.raises(openai.NotFoundError):

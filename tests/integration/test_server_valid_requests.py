@@ -42,12 +42,9 @@ VOCAB = 49152  # SmolLM2's
 # share their list's path). A request with any of them is answered 400 naming the field.
 REFUSED: dict[str, str] = {
     "suffix": "completions: no fill-in-the-middle engine behind it",
-    "tools": "function calling is not built yet",
-    "tool_choice": "function calling: only 'none' is served",
-    "functions": "function calling is not built yet",
-    "function_call": "function calling: only 'none' is served",
-    "messages.tool_calls": "function calling is not built yet",
-    "messages.function_call": "function calling is not built yet",
+    "functions": "the legacy function calling: tools and tool_choice are served",
+    "function_call": "the legacy function calling: only 'none' is served",
+    "messages.function_call": "the legacy function calling: tool_calls are served",
     "audio": "no audio output",
     "messages.audio": "no audio output",
     "modalities": "text only: ['text'] is served",
@@ -57,18 +54,20 @@ REFUSED: dict[str, str] = {
     "verbosity": "no verbosity control for these models",
     "store": "nothing is stored: false is served",
 }
-# Union members the server refuses (by TypedDict name): tool and function messages, and
-# content parts other than text.
+# Union members the server refuses (by TypedDict name): legacy function messages, custom
+# (free-text) tools, their calls and choices, and content parts other than text.
 REFUSED_TYPES = {
-    "ChatCompletionToolMessageParam",
     "ChatCompletionFunctionMessageParam",
+    "ChatCompletionCustomToolParam",
+    "ChatCompletionMessageCustomToolCallParam",
+    "ChatCompletionNamedToolChoiceCustomParam",
+    "ChatCompletionAllowedToolChoiceParam",
     "ChatCompletionContentPartImageParam",
     "ChatCompletionContentPartInputAudioParam",
     "File",
 }
 # Valid values of the refused fields that the server does serve (the rest is refused).
 SERVED_VALUES: dict[str, list[Any]] = {
-    "tool_choice": ["none"],
     "function_call": ["none"],
     "modalities": [["text"]],
     "store": [False],
@@ -112,6 +111,9 @@ VALUES: dict[str, Callable[[random.Random], Any]] = {
     "model": _pick(["smollm2"]),
     "response_format.json_schema.schema": _pick(SCHEMAS),
     "response_format.json_schema.name": _pick(["answer", "Result_1", "a-b"]),
+    # Tools with schemas an answer can follow (a named choice is made to name one of them).
+    "tools.function.name": _pick(["get_weather", "lookup"]),
+    "tools.function.parameters": _pick([SCHEMAS[0], SCHEMAS[3]]),
     **{name: _pick(values) for name, values in SERVED_VALUES.items()},
 }
 # Numbers (and some strings) by "path:type", in the ranges OpenAI's API documents (vLLM's
@@ -267,9 +269,21 @@ def _make_valid(body: dict[str, Any], extra: dict[str, Any], chat: bool) -> None
         body["best_of"] = body.get("n") or 1
     if chat and body.get("top_logprobs") is not None:
         body["logprobs"] = True  # top_logprobs needs logprobs=true
-    # One structured output constraint at most.
+    # tool_choice names one of the tools, and comes with them.
+    choice = body.get("tool_choice")
+    if choice is not None and not body.get("tools"):
+        body.pop("tool_choice")
+    elif isinstance(choice, dict):
+        choice["function"]["name"] = body["tools"][0]["function"]["name"]
+    choice = body.get("tool_choice")
+    constrained_tools = choice == "required" or isinstance(choice, dict)
+    if extra.get("use_beam_search") and constrained_tools:
+        body.pop("tool_choice")  # beams are not constrained
+        constrained_tools = False
+    # One structured output constraint at most (a required or named tool choice is one).
     fmt = body.get("response_format") or {}
-    constraints = [n for n in CONSTRAINTS if n in extra]
+    constraints = ["tool_choice"] if constrained_tools else []
+    constraints += [n for n in CONSTRAINTS if n in extra]
     if fmt.get("type") in ("json_object", "json_schema"):
         constraints.append("response_format")
     for name in constraints[1:]:
@@ -319,7 +333,7 @@ def _check_answer(chat: bool, body: dict, extra: dict, choices: list, usage: Any
     n = body.get("n") or 1
     expected = n * (1 if chat else _num_prompts(body["prompt"]))
     assert sorted(c.index for c in choices) == list(range(expected))
-    assert all(c.finish_reason in ("stop", "length") for c in choices)
+    assert all(c.finish_reason in ("stop", "length", "tool_calls") for c in choices)
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     if usage is not None and limit is not None and not extra.get("use_beam_search"):
         assert usage.completion_tokens <= limit * expected
@@ -348,7 +362,8 @@ async def _send(client: openai.AsyncOpenAI, chat: bool, body: dict, extra: dict)
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    args = ("--max-model-len", str(MAX_MODEL_LEN), "--trust-request-chat-template")
+    args = ("--max-model-len", str(MAX_MODEL_LEN), "--trust-request-chat-template",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # fmt: skip
     with running_server(smollm2_path, *args) as (_, base):
         yield base
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter
 from tokenmill.frontend.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokenmill.frontend.server.serving import ServingError, _message_dict
 from tokenmill.frontend.server.state import State
+from tokenmill.frontend.server.tool_choice import check_tools
 
 router = APIRouter()
 
@@ -44,11 +45,14 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
         raise ServingError("give either prompt or messages", 400, "prompt")
     if body.messages is not None:
         messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+        if body.tools is not None:
+            check_tools(body.tools, None)
         prompt = await engine.encode_chat(
             messages,
-            None,
+            state.chat.chat_template,
             body.add_generation_prompt and not body.continue_final_message,
             continue_final_message=body.continue_final_message,
+            tools=body.tools,
             **(body.chat_template_kwargs or {}),
         )
     else:
