@@ -10,6 +10,11 @@ lines) timestamps every chunk that carries text and reports, in one markdown tab
 Output tokens come from the final `usage` chunk; a server that sends none has its text chunks
 counted instead (the table says so). TTFT, TPOT and ITL are in ms, E2E in s.
 
+`--endpoint chat --tools required` is a tool-calling workload: every request brings two
+function tools and tool_choice "required" (its answer constrained to calls; `auto` hands it to
+the server's tool parser); the streamed tool-call deltas count as the answer's chunks. Embedding
+throughput against HF has its own script, scripts/bench_embeddings.py.
+
 Workload: `--dataset random` (the default) makes `--num-prompts` prompts of `--input-len` random
 English words, seeded by `--seed`; with `--tokenizer PATH` only words that are one token each
 are drawn, so every prompt is exactly `--input-len` tokens long (the chat template, with
@@ -137,6 +142,17 @@ def load_tokenizer(path: str | None):
     return AutoTokenizer.from_pretrained(path)
 
 
+# The tools of `--tools` (an agent's two lookups): the answer calls them, in OpenAI's format.
+BENCH_TOOLS = [
+    {"type": "function", "function": {"name": "search", "description": "Search the web",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"},
+                    "max_results": {"type": "integer"}}, "required": ["query"]}}},
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
+]  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------
 # One streamed request
 
@@ -171,6 +187,9 @@ def make_payload(args: argparse.Namespace, model: str, prompt: str, max_tokens: 
     }
     if args.endpoint == "chat":
         payload["messages"] = [{"role": "user", "content": prompt}]
+        if args.tools != "off":
+            payload["tools"] = BENCH_TOOLS
+            payload["tool_choice"] = args.tools
     else:
         payload["prompt"] = prompt
     if args.ignore_eos:  # not an OpenAI field: only sent when asked for
@@ -179,14 +198,18 @@ def make_payload(args: argparse.Namespace, model: str, prompt: str, max_tokens: 
 
 
 def chunk_text(chunk: dict) -> str:
-    """The text a completions or chat-completions stream chunk carries ("" for none)."""
+    """The text a completions or chat-completions stream chunk carries ("" for none): a
+    chat delta's content, or its tool calls' names and argument fragments."""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
     choice = choices[0]
     if "text" in choice:
         return choice["text"] or ""
-    return (choice.get("delta") or {}).get("content") or ""
+    delta = choice.get("delta") or {}
+    functions = [call.get("function") or {} for call in delta.get("tool_calls") or []]
+    calls = "".join((f.get("name") or "") + (f.get("arguments") or "") for f in functions)
+    return (delta.get("content") or "") + calls
 
 
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict) -> RequestResult:
@@ -378,6 +401,7 @@ def benchmark_once(
         "base_url": base_url,
         "model": run["model"],
         "endpoint": "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions",
+        "tools": args.tools,
         "config": {
             "dataset": args.dataset,
             "num_prompts": len(prompts),
@@ -556,7 +580,8 @@ def print_table(records: list[dict]) -> None:
             f"{r['label']}: {c['num_prompts']} prompts ({source}), "
             f"max_tokens {c['output_len']}, {r['output_tokens']} output tokens in "
             f"{r['text_chunks']} text chunks, rate {rate}, "
-            f"concurrency {c['max_concurrency'] or '-'}, {r['endpoint']}, {r['date']}"
+            f"concurrency {c['max_concurrency'] or '-'}, {r['endpoint']}"
+            f"{', tools ' + r['tools'] if r.get('tools', 'off') != 'off' else ''}, {r['date']}"
         )
         if r["usage_missing"]:
             print(f"{r['label']}: no usage chunk from the server: output tokens = text chunks")
@@ -594,6 +619,14 @@ def main() -> None:
     work.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
     work.add_argument("--temperature", type=float, default=0.0)
     work.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true")
+    work.add_argument(
+        "--tools",
+        choices=["off", "required", "auto", "none"],
+        default="off",
+        help="chat only: send two function tools with this tool_choice (a tool-calling "
+        "workload; 'required' constrains every answer to calls, 'auto' needs the server's "
+        "tool parser)",
+    )
     work.add_argument("--seed", type=int, default=0)
     work.add_argument("--request-rate", type=float, default=math.inf, help="requests/s or inf")
     work.add_argument("--max-concurrency", type=int, default=None)
