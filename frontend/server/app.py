@@ -82,7 +82,11 @@ def build_app(
             enable_auto_tools,
             tool_parser,
         ),
-        embedding=OpenAIServingEmbedding(engine, model_name, chat_template) if pooling else None,
+        embedding=OpenAIServingEmbedding(
+            engine, model_name, trust_request_chat_template, chat_template
+        )
+        if pooling
+        else None,
         stat_logger=stat_logger,
         started=time.time(),
     )

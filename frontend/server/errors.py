@@ -12,9 +12,11 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import pydantic
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from tokenmill.frontend.server.serving import ServingError
@@ -46,6 +48,27 @@ async def internal_error(request: Request, e: Exception) -> JSONResponse:
     state: ServerState = request.app.state.server
     status = 503 if state.engine.dead is not None else 500
     return JSONResponse(ServingError(f"{type(e).__name__}: {e}", status).body(), status_code=status)
+
+
+async def json_object(raw: Request) -> dict[str, Any]:
+    """A route's body read by hand (one that picks its request type from the fields)."""
+    try:
+        data = await raw.json()
+    except ValueError as e:
+        raise ServingError(f"the request body is not valid JSON: {e}", 400) from None
+    if not isinstance(data, dict):
+        raise ServingError("the request body must be a JSON object", 400)
+    return data
+
+
+def validated(kind: type[BaseModel], data: dict[str, Any]) -> Any:
+    """`data` as a `kind`; what does not validate is answered as FastAPI answers a body."""
+    try:
+        return kind.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise RequestValidationError(
+            [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+        ) from None
 
 
 def _validation_error(e: RequestValidationError) -> ServingError:

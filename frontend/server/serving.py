@@ -16,7 +16,7 @@ import itertools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Optional
 
 import msgspec
@@ -34,6 +34,7 @@ from tokenmill.frontend.outputs import CompletionOutput, PromptLogprobs, Request
 from tokenmill.frontend.server.protocol import _SamplingFields
 from tokenmill.protocol.messages import (
     EngineCoreRequest,
+    PoolingParams,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
@@ -87,11 +88,17 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLM, model_name: str, trust_request_chat_template: bool = False
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        trust_request_chat_template: bool = False,
+        chat_template: str | None = None,
     ) -> None:
+        """chat_template: the server's (--chat-template), over the model's own."""
         self.engine = engine
         self.model_name = model_name
         self.trust_request_chat_template = trust_request_chat_template
+        self.chat_template = chat_template
         self.max_model_len = engine.model_config.max_model_len
         self.max_logprobs = engine.model_config.max_logprobs
 
@@ -276,6 +283,39 @@ class OpenAIServing:
             raise ServingError(f"{field} must not be empty", 400, field)
         return prompts
 
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        add_special_tokens: bool,
+        tools: list[Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A chat as a token prompt under the template (the request's, with
+        --trust-request-chat-template, else the server's, else the model's); a template
+        that cannot render these messages is a 400."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise ServingError(
+                "chat_template from a request is refused (start the server with "
+                "--trust-request-chat-template to allow it)",
+                400,
+                "chat_template",
+            )
+        try:
+            return await self.engine.encode_chat(
+                messages,
+                chat_template or self.chat_template,
+                add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                add_special_tokens=add_special_tokens,
+                tools=tools,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:  # (jinja's errors, the template's own raise_exception)
+            raise ServingError(f"the chat template failed: {e}", 400, "messages") from None
+
     def truncated(self, prompt: dict[str, Any], body: _SamplingFields) -> dict[str, Any]:
         """The prompt as the engine will see it under truncate_prompt_tokens (its length is
         what the context check counts)."""
@@ -332,7 +372,11 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running
     async def _prepare(
-        self, prompts: list[dict[str, Any]], params: SamplingParams, request_id: str, priority: int
+        self,
+        prompts: list[dict[str, Any]],
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        priority: int,
     ) -> Prepared:
         """Every prompt's request for the core, checked before any answer starts (so that a
         bad prompt or parameter is a 400, also for a stream)."""
@@ -389,16 +433,7 @@ class OpenAIServing:
                 results[i] = out
             return results  # type: ignore[return-value]
 
-        work = asyncio.ensure_future(gather())
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(raw, work))
-        try:
-            results = await work
-        except asyncio.CancelledError:
-            if watcher.done() and not watcher.cancelled():
-                raise ServingError("the client disconnected", 499) from None
-            raise
-        finally:
-            watcher.cancel()
+        results = await until_disconnect(raw, gather())
         for out in results:
             if out.error is not None:
                 raise ServingError(out.error, 400)
@@ -476,6 +511,23 @@ def _merged(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
     return dataclasses.replace(
         b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=logprobs
     )
+
+
+async def until_disconnect(raw: Request, work: Coroutine[Any, Any, Any]) -> Any:
+    """What `work` returns, unless the client goes away first: then the work is cancelled
+    (its requests aborted in the core) and the client gets nothing (499). Cancelled on a
+    failure too, so that the rest of its requests end at once."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(raw, task))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            raise ServingError("the client disconnected", 499) from None
+        raise
+    finally:
+        watcher.cancel()
+        task.cancel()
 
 
 async def _cancel_on_disconnect(raw: Request, work: asyncio.Future) -> None:

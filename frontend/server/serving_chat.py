@@ -58,11 +58,9 @@ class OpenAIServingChat(OpenAIServing):
         enable_auto_tools: bool = False,
         tool_parser_name: str | None = None,
     ) -> None:
-        """chat_template: the server's (--chat-template), over the model's own.
-        enable_auto_tools and tool_parser_name: what serves tool_choice "auto" (both
+        """enable_auto_tools and tool_parser_name: what serves tool_choice "auto" (both
         needed, as in vLLM)."""
-        super().__init__(engine, model_name, trust_request_chat_template)
-        self.chat_template = chat_template
+        super().__init__(engine, model_name, trust_request_chat_template, chat_template)
         self.tool_parser: ToolParser | None = None
         if tool_parser_name is not None:
             self.tool_parser = tool_parser(tool_parser_name)
@@ -72,13 +70,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(body.model)
         self.check_supported(body)
         continuous_usage = self.check_stream_options(body)
-        if body.chat_template is not None and not self.trust_request_chat_template:
-            raise ServingError(
-                "chat_template from a request is refused (start the server with "
-                "--trust-request-chat-template to allow it)",
-                400,
-                "chat_template",
-            )
         tool_choice = check_tools(body.tools, body.tool_choice)
         auto = tool_choice == "auto"
         if auto and not (self.enable_auto_tools and self.tool_parser is not None):
@@ -99,18 +90,15 @@ class OpenAIServingChat(OpenAIServing):
         template_kwargs = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort is not None:  # the template's to read, as in vLLM
             template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-        try:
-            prompt = await self.engine.encode_chat(
-                messages,
-                body.chat_template or self.chat_template,
-                body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message,
-                add_special_tokens=body.add_special_tokens,
-                tools=body.tools,
-                **template_kwargs,
-            )
-        except Exception as e:  # a template that cannot render these messages
-            raise ServingError(f"the chat template failed: {e}", 400, "messages") from None
+        prompt = await self.render_chat(
+            messages,
+            body.chat_template,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.add_special_tokens,
+            body.tools,
+            template_kwargs,
+        )
         prompt = self.truncated(prompt, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         # Errors name the field the client used.

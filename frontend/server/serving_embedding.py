@@ -24,9 +24,8 @@ from tokenmill.frontend.server.protocol import EmbeddingChatRequest, EmbeddingCo
 from tokenmill.frontend.server.serving import (
     OpenAIServing,
     ServingError,
-    _cancel_on_disconnect,
     _message_dict,
-    _param_named_in,
+    until_disconnect,
 )
 from tokenmill.protocol.messages import PoolingParams
 
@@ -34,10 +33,6 @@ EmbeddingRequest = EmbeddingCompletionRequest | EmbeddingChatRequest
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    def __init__(self, engine: Any, model_name: str, chat_template: str | None = None) -> None:
-        super().__init__(engine, model_name)
-        self.chat_template = chat_template
-
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
         self.check_model(body.model)
         prompts = await self._prompts(body)
@@ -71,17 +66,14 @@ class OpenAIServingEmbedding(OpenAIServing):
         if isinstance(body, EmbeddingCompletionRequest):
             return await self.prompts(body.input, body.add_special_tokens, "input")
         messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
-        try:
-            prompt = await self.engine.encode_chat(
-                messages,
-                body.chat_template or self.chat_template,
-                body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message,
-                add_special_tokens=body.add_special_tokens,
-                **(body.chat_template_kwargs or {}),
-            )
-        except Exception as e:  # a template that cannot render these messages
-            raise ServingError(f"the chat template failed: {e}", 400, "messages") from None
+        prompt = await self.render_chat(
+            messages,
+            body.chat_template,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.add_special_tokens,
+            template_kwargs=body.chat_template_kwargs,
+        )
         return [prompt]
 
     def _truncated(self, prompt: dict[str, Any], keep: int | None) -> dict[str, Any]:
@@ -106,14 +98,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         priority: int,
     ) -> list[PoolingRequestOutput]:
         """Every prompt's pooled output, in order; all checked before any is sent."""
-        requests = []
-        for i, prompt in enumerate(prompts):
-            try:
-                requests.append(
-                    await self.engine.process_inputs(f"{request_id}-{i}", prompt, params, priority)
-                )
-            except (ValueError, TypeError) as e:
-                raise ServingError(str(e), 400, _param_named_in(str(e))) from None
+        requests = await self._prepare(prompts, params, request_id, priority)
 
         async def last(request: Any) -> PoolingRequestOutput:
             final = None
@@ -122,19 +107,9 @@ class OpenAIServingEmbedding(OpenAIServing):
             assert final is not None
             return final
 
-        work = asyncio.ensure_future(asyncio.gather(*(last(req) for req, _ in requests)))
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(raw, work))
-        try:
-            outputs = await work
-        except asyncio.CancelledError:
-            if watcher.done() and not watcher.cancelled():
-                raise ServingError("the client disconnected", 499) from None
-            raise
-        finally:
-            watcher.cancel()
-            work.cancel()  # (after a failure: the other requests are aborted)
+        outputs = await until_disconnect(raw, asyncio.gather(*(last(r) for r, _ in requests)))
         for out in outputs:
-            if getattr(out, "error", None) is not None:
+            if out.error is not None:
                 raise ServingError(out.error, 400)
         return outputs
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import pydantic
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.frontend.server.errors import json_object, validated
 from tokenmill.frontend.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.frontend.server.serving import ServingError
 from tokenmill.frontend.server.state import State
@@ -36,21 +35,12 @@ async def chat(body: ChatCompletionRequest, raw: Request, state: State) -> Respo
 async def invocations(raw: Request, state: State) -> Response:
     """SageMaker's route: a chat body (with messages) or a completions body (with a
     prompt), told apart by its fields as vLLM does."""
-    try:
-        data = await raw.json()
-    except ValueError as e:
-        raise ServingError(f"the request body is not valid JSON: {e}", 400) from None
-    if not isinstance(data, dict) or not ({"messages", "prompt"} & data.keys()):
+    data = await json_object(raw)
+    if not ({"messages", "prompt"} & data.keys()):
         raise ServingError(
             "an /invocations body needs messages (chat) or prompt (completions)", 400
         )
-    kind = ChatCompletionRequest if "messages" in data else CompletionRequest
-    try:
-        body = kind.model_validate(data)
-    except pydantic.ValidationError as e:
-        raise RequestValidationError(
-            [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
-        ) from None
+    body = validated(ChatCompletionRequest if "messages" in data else CompletionRequest, data)
     if isinstance(body, ChatCompletionRequest):
         return _respond(await state.chat.chat(body, raw))
     return _respond(await state.completion.completions(body, raw))

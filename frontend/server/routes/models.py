@@ -47,13 +47,14 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
         messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
         if body.tools is not None:
             check_tools(body.tools, None)
-        prompt = await engine.encode_chat(
+        prompt = await state.chat.render_chat(
             messages,
-            state.chat.chat_template,
-            body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-            tools=body.tools,
-            **(body.chat_template_kwargs or {}),
+            None,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            False,  # the template holds the special tokens
+            body.tools,
+            body.chat_template_kwargs,
         )
     else:
         assert body.prompt is not None
