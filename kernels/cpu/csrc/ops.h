@@ -104,6 +104,15 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
                        const at::Tensor& seq_lens, double scale, int64_t window,
                        double softcap);
 
+// lora.cpp: the batched LoRA matmuls, each row by its slot's adapter, on rows grouped by slot
+// (slot s's rows sorted_rows[starts[s] : starts[s + 1]]; rows before starts[0] have none):
+// y [T, R] fp32 = scale[s] * x @ A[s]^T, and out[:, offset : offset + N] += y @ B[s]^T.
+at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a_stacked,
+                       const at::Tensor& sorted_rows, const at::Tensor& starts,
+                       const at::Tensor& scale);
+void lora_expand(at::Tensor& out, const at::Tensor& y, const at::Tensor& b_stacked,
+                 const at::Tensor& sorted_rows, const at::Tensor& starts, int64_t offset);
+
 // decode_layers.cpp: a decode step's Llama decoder layers in one call, from the embeddings to
 // the last layer's (hidden, residual); projections with a qtype run on GGUF weights.
 std::tuple<at::Tensor, at::Tensor> decode_layers(

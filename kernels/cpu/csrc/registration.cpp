@@ -32,6 +32,12 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
       "Tensor query_start, Tensor seq_lens, float scale, int window, float softcap) -> ()");
+  m.def(
+      "lora_shrink(Tensor x, Tensor a_stacked, Tensor sorted_rows, Tensor starts, Tensor scale) "
+      "-> Tensor");
+  m.def(
+      "lora_expand(Tensor(a!) out, Tensor y, Tensor b_stacked, Tensor sorted_rows, "
+      "Tensor starts, int offset) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -50,6 +56,8 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("decode_attention", &tokenmill::decode_attention);
   m.impl("prefill_attention", &tokenmill::prefill_attention);
   m.impl("decode_layers", &tokenmill::decode_layers);
+  m.impl("lora_shrink", &tokenmill::lora_shrink);
+  m.impl("lora_expand", &tokenmill::lora_expand);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CompositeExplicitAutograd, m) {
