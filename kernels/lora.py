@@ -1,6 +1,6 @@
 """The batched LoRA matmuls as Triton kernels (as vLLM's punica `lora_shrink` /
 `lora_expand`; S-LoRA's SGMV): each row of a batch by its own adapter, on the rows grouped by
-slot (worker/lora/punica.py's `LoRAMapping`: slot s's rows are sorted_rows[starts[s] :
+slot (kernels/punica.py's `LoRAMapping`: slot s's rows are sorted_rows[starts[s] :
 starts[s + 1]]). The arguments and results are punica.py's, which is their reference.
 
 A program takes BLOCK_M rows of one slot (grid: row blocks x slots, and output column blocks
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.launches import count_launch
-from tokenmill.worker.lora.punica import LoRAMapping, slot_scales
+from tokenmill.kernels.punica import LoRAMapping, slot_scales
 
 MAX_RANK = 128
 BLOCK_M = 16

@@ -1,6 +1,6 @@
 """The batched LoRA matmuls on the CPU (csrc/lora.cpp): the LoRA layers' shrink and expand,
 each row by its own adapter. Where the kernels are not loaded (TOKENMILL_CPU_KERNELS=0, no
-compiler), for other devices or dtypes, these run worker/lora/punica.py's torch ops, the
+compiler), for other devices or dtypes, these run kernels/punica.py's torch ops, the
 kernels' reference; the arguments and results are the same either way. On 2 Zen 4 cores, bf16,
 a q/k/v layer's shrink and three expands at rank 16 take 29 us for one decode row (the torch
 ops 115 us) and 154 us for 300 prefill rows (1020 us); numbers in csrc/lora.cpp.
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels import cpu
-from tokenmill.worker.lora import punica
-from tokenmill.worker.lora.punica import LoRAMapping
+from tokenmill.kernels import cpu, punica
+from tokenmill.kernels.punica import LoRAMapping
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 

@@ -1,5 +1,5 @@
 """The batched LoRA matmuls (shrink: y = scale * x @ A^T, expand: out += y @ B^T, each row by
-its own adapter slot): the torch reference (worker/lora/punica.py) against per-row products
+its own adapter slot): the torch reference (kernels/punica.py) against per-row products
 worked out row by row, then the CPU kernels (kernels/cpu/lora.py, on every instruction set
 this CPU runs) and the Triton kernels (kernels/lora.py; in the interpreter on the CPU) against
 the reference. Shapes are SmolLM2-135M's projections; adapters of ranks 8 and 16 share slots
@@ -13,11 +13,10 @@ import pytest
 import torch
 from helpers import require_triton
 
-from tokenmill.kernels import cpu
+from tokenmill.kernels import cpu, punica
 from tokenmill.kernels.cpu import lora as cpu_lora
+from tokenmill.kernels.punica import LoRAMapping
 from tokenmill.protocol import envs
-from tokenmill.worker.lora import punica
-from tokenmill.worker.lora.punica import LoRAMapping
 
 RANK = 16  # the slots' rank; slot 0 holds a rank-8 adapter padded with zeros
 SLOTS = 4  # slot 3 stays unused
