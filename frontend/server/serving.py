@@ -316,12 +316,13 @@ class OpenAIServing:
         except Exception as e:  # (jinja's errors, the template's own raise_exception)
             raise ServingError(f"the chat template failed: {e}", 400, "messages") from None
 
-    def truncated(self, prompt: dict[str, Any], body: _SamplingFields) -> dict[str, Any]:
+    def truncated(
+        self, prompt: dict[str, Any], keep: int | None, side: str | None = None
+    ) -> dict[str, Any]:
         """The prompt as the engine will see it under truncate_prompt_tokens (its length is
-        what the context check counts)."""
+        what the context check counts): the last `keep` tokens, the first with side "right"."""
         ids = prompt["prompt_token_ids"]
-        side = body.truncation_side or "left"
-        kept = truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len, side)
+        kept = truncate_prompt(ids, keep, self.max_model_len, side or "left")
         if len(kept) == len(ids):
             return prompt
         return {"prompt_token_ids": kept, "prompt": None}

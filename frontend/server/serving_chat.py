@@ -99,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
             body.tools,
             template_kwargs,
         )
-        prompt = self.truncated(prompt, body)
+        prompt = self.truncated(prompt, body.truncate_prompt_tokens, body.truncation_side)
         max_tokens = body.max_completion_tokens or body.max_tokens
         # Errors name the field the client used.
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

@@ -35,7 +35,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 "best_of",
             )
         given = await self.prompts(body.prompt, body.add_special_tokens)
-        prompts = [self.truncated(p, body) for p in given]
+        prompts = [
+            self.truncated(p, body.truncate_prompt_tokens, body.truncation_side) for p in given
+        ]
         for prompt in prompts:
             self.check_length(len(prompt["prompt_token_ids"]), body.max_tokens)
             if body.echo and prompt.get("prompt") is None:  # echo a token prompt as text

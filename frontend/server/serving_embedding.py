@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from tokenmill.frontend.input_processor import truncate_prompt
 from tokenmill.frontend.outputs import PoolingRequestOutput
 from tokenmill.frontend.server.protocol import EmbeddingChatRequest, EmbeddingCompletionRequest
 from tokenmill.frontend.server.serving import (
@@ -36,7 +35,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
         self.check_model(body.model)
         prompts = await self._prompts(body)
-        prompts = [self._truncated(p, body.truncate_prompt_tokens) for p in prompts]
+        prompts = [self.truncated(p, body.truncate_prompt_tokens) for p in prompts]
         field = "messages" if isinstance(body, EmbeddingChatRequest) else "input"
         for prompt in prompts:
             self.check_length(len(prompt["prompt_token_ids"]), None, prompt=field)
@@ -75,11 +74,6 @@ class OpenAIServingEmbedding(OpenAIServing):
             template_kwargs=body.chat_template_kwargs,
         )
         return [prompt]
-
-    def _truncated(self, prompt: dict[str, Any], keep: int | None) -> dict[str, Any]:
-        ids = prompt["prompt_token_ids"]
-        kept = truncate_prompt(ids, keep, self.max_model_len, "left")
-        return prompt if len(kept) == len(ids) else {"prompt_token_ids": kept}
 
     def _pooling_params(self, body: EmbeddingRequest) -> PoolingParams:
         try:
