@@ -57,7 +57,9 @@ def test_freed_blocks_are_reused_after_tuning():
         )
         return int(out.stdout)
 
-    # The 12 steps write about 150k 4 KiB pages in all.
+    # The 12 steps write about 150k 4 KiB pages in all. Tuned, the blocks are reused: what
+    # faults in is the heap's rearrangement between block sizes (a few MiB, more or less by
+    # glibc version and kernel), a small fraction of the untuned count.
     untuned, tuned = faults("default"), faults("tuned")
     assert untuned > 100_000
-    assert tuned < 1_000
+    assert tuned < untuned // 20, (untuned, tuned)
