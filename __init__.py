@@ -42,6 +42,7 @@ _PUBLIC = {
     "EngineDeadError": "tokenmill.frontend.core_client",
     "BeamSearchParams": "tokenmill.frontend.beam_search",
     "BeamSearchOutput": "tokenmill.frontend.beam_search",
+    "LoRARequest": "tokenmill.protocol.lora",
 }
 
 __all__ = sorted(_PUBLIC)

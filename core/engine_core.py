@@ -30,6 +30,7 @@ from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.core.structured_output import StructuredOutputManager
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig, ModelConfig
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _GRAMMAR_WAIT_S = 0.05  # an otherwise idle step waits this long for a grammar to compile
 _FORWARD_WAIT_S = 0.05  # the longest the core gives the next step to reach its forward
+_LORA_RPC_S = 120.0  # reading an adapter from a slow disk; a worker that hangs fails the call
 
 
 class EngineCore:
@@ -68,6 +70,8 @@ class EngineCore:
         self._compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
         self._grammar_req_ids: set[str] = set()  # live requests with a grammar
         self._rejected: list[EngineCoreOutput] = []
+        # LoRA adapters the workers have read (by lora_int_id), with enable_lora.
+        self.loras: dict[int, LoRARequest] = {}
         self.async_scheduling = self.config.scheduler_config.async_scheduling
         # Steps submitted to the executor and not yet updated, oldest first (at most two).
         self._batches: deque[_Batch] = deque()
@@ -115,12 +119,23 @@ class EngineCore:
         if error is not None:
             self.reject_request(request.request_id, error)
             return
+        lora = request.lora_request
+        if lora is not None:
+            try:
+                self.add_lora(lora)
+            except ValueError as e:
+                self.reject_request(request.request_id, str(e))
+                return
         core_request = Request(request, self.config.model_config.max_model_len)
         threshold = self.config.model_config.long_rope_threshold
         if threshold is not None and core_request.num_prompt_tokens > threshold:
             # LongRoPE: a prompt past the original context rotates every position by the
             # long frequencies (the workers' rule), unlike a shorter one's first positions.
             core_request.cache_salt = b"long-rope"
+        if lora is not None:
+            # An adapter's K/V differ from the base model's and from other adapters' (vLLM's
+            # extra keys): its blocks are cached under its own name and folder.
+            core_request.cache_salt += f"lora:{lora.lora_name}:{lora.lora_path}".encode()
         params = request.sampling_params
         structured = None if params is None else params.structured_outputs
         if structured is not None:
@@ -354,6 +369,7 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         scheduler = self.scheduler
         kv = scheduler.kv_cache_manager
+        running_loras, waiting_loras = scheduler.lora_counts() if scheduler.max_loras else ({}, {})
         return SchedulerStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting + len(self._compiling),
@@ -361,6 +377,8 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
             spec_decode_num_drafts=scheduler.spec_num_drafts,
             spec_decode_num_draft_tokens=scheduler.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=scheduler.spec_num_accepted_tokens,
@@ -399,6 +417,39 @@ class EngineCore:
     def check_health(self) -> bool:
         self.executor.check_health()
         return True
+
+    def add_lora(self, lora_request: LoRARequest | dict | list) -> bool:
+        """Reads the adapter into every worker (vLLM's add_lora); False if it was there. A
+        ValueError says why an adapter cannot run (its rank, its folder, LoRA off)."""
+        if self.config.lora_config is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
+        if not isinstance(lora_request, LoRARequest):  # a utility call's argument
+            lora_request = msgspec.convert(lora_request, LoRARequest)
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None and known.lora_path == lora_request.lora_path:
+            return False
+        try:
+            self.executor.collective_rpc("add_lora", args=(lora_request,), timeout=_LORA_RPC_S)
+        except RuntimeError as e:  # a worker process's error, as text
+            _, found, message = str(e).partition("ValueError: ")
+            if found:
+                raise ValueError(message) from None
+            raise
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets the adapter in every worker; False if it was not added."""
+        if self.config.lora_config is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
+        if self.loras.pop(lora_id, None) is None:
+            return False
+        self.executor.collective_rpc("remove_lora", args=(lora_id,), timeout=_LORA_RPC_S)
+        return True
+
+    def list_loras(self) -> list[int]:
+        """The adapters added (by lora_int_id)."""
+        return sorted(self.loras)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the cached prefixes; False (with a warning, nothing cleared) while

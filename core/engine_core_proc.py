@@ -61,7 +61,9 @@ from tokenmill.protocol.process import close_sockets, remove_dir, watch_parent
 logger = logging.getLogger(__name__)
 
 # Utility methods a client may call on the core, by name.
-UTILITIES = ("get_stats", "reset_prefix_cache", "check_health")
+UTILITIES = (
+    "get_stats", "reset_prefix_cache", "check_health", "add_lora", "remove_lora", "list_loras"
+)
 _DECODERS = {
     RequestType.HELLO: Decoder(Hello),
     RequestType.ADD: Decoder(list[EngineCoreRequest]),

@@ -56,6 +56,9 @@ class Request:
         # of its last chunk (it has no tokens to sample, no stop rules).
         self.sampling_params: SamplingParams | None = request.sampling_params
         self.pooling_params: PoolingParams | None = request.pooling_params
+        # The LoRA adapter it runs (None: the base model); lora_id 0 for none.
+        self.lora_request = request.lora_request
+        self.lora_id = 0 if request.lora_request is None else request.lora_request.lora_int_id
         self.eos_token_ids = frozenset(request.eos_token_ids)
         self.arrival_time = request.arrival_time
         self.priority = request.priority

@@ -33,10 +33,11 @@ import msgspec
 from tokenmill.frontend.async_core_client import AsyncEngineCoreClient
 from tokenmill.frontend.core_client import EngineDeadError
 from tokenmill.frontend.input_processor import PromptType, render_chat
-from tokenmill.frontend.llm_engine import make_processors, preload_tokenizer
+from tokenmill.frontend.llm_engine import LORA_TIMEOUT_S, make_processors, preload_tokenizer
 from tokenmill.frontend.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs, EngineConfig
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -81,7 +82,7 @@ class AsyncLLM:
         self.model_config = self.config.model_config
         self.num_blocks = self.client.ready.num_blocks  # the KV cache's, as the core sized it
         self.tokenizer, self.input_processor, self.output_processor = make_processors(
-            self.model_config, tokenizer
+            self.config, tokenizer
         )
         # Stat loggers get `on_request`, `on_abort` and `on_outputs` calls (frontend/metrics.py).
         self.stat_loggers = list(stat_loggers or [])
@@ -107,6 +108,7 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams | PoolingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """The request for the core and its prompt text, tokenized and checked off the
         loop; a bad prompt or parameter raises ValueError here, before anything is sent
@@ -114,7 +116,7 @@ class AsyncLLM:
         generate() (a generative model's), PoolingParams one for encode() (a pooling
         model's: its dimensions are checked against the model's Matryoshka sizes here)."""
         return await self._run_off_loop(
-            self.input_processor.process, request_id, prompt, params, priority
+            self.input_processor.process, request_id, prompt, params, priority, lora_request
         )
 
     async def generate(
@@ -124,14 +126,18 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         prompt_text: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs. `prompt` is a prompt, or a request made by
-        process_inputs() (then its own id, parameters and priority apply, and `prompt_text`
-        is the text shown in its outputs). A pooling model refuses (ValueError)."""
+        process_inputs() (then its own id, parameters, priority and adapter apply, and
+        `prompt_text` is the text shown in its outputs). `lora_request`: the LoRA adapter it
+        runs (enable_lora). A pooling model refuses (ValueError)."""
         self._require_runner("generate", "AsyncLLM.generate()")
         if not isinstance(prompt, EngineCoreRequest) and sampling_params is None:
             raise TypeError("generate() needs sampling_params for a prompt")
-        stream = self._stream(prompt, sampling_params, request_id, priority, prompt_text)
+        stream = self._stream(
+            prompt, sampling_params, request_id, priority, prompt_text, lora_request
+        )
         async with contextlib.aclosing(stream):  # leaving early aborts at once
             async for output in stream:
                 yield output
@@ -143,6 +149,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """A pooling model's vector for one prompt (vLLM's AsyncLLM.encode): yields one
         PoolingRequestOutput, finished (`outputs.data` a float32 tensor; `error` set, and
@@ -157,7 +164,7 @@ class AsyncLLM:
         params = pooling_params if pooling_params is not None else PoolingParams()
         if truncate_prompt_tokens is not None and params.truncate_prompt_tokens is None:
             params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-        stream = self._stream(prompt, params, request_id, priority, None)
+        stream = self._stream(prompt, params, request_id, priority, None, lora_request)
         async with contextlib.aclosing(stream):  # leaving early aborts at once
             async for output in stream:
                 yield output
@@ -178,6 +185,7 @@ class AsyncLLM:
         request_id: str | None,
         priority: int,
         prompt_text: str | None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[Any]:
         """Sends one request and yields its outputs until it is finished; leaving early
         aborts it in the core."""
@@ -191,7 +199,9 @@ class AsyncLLM:
         else:
             assert params is not None
             request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-            request, text = await self.process_inputs(request_id, prompt, params, priority)
+            request, text = await self.process_inputs(
+                request_id, prompt, params, priority, lora_request
+            )
             if self.dead is not None:  # died while the prompt was tokenized
                 raise EngineDeadError(str(self.dead))
         if request_id in self.streams:
@@ -343,6 +353,19 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads the adapter into the workers now (vLLM's add_lora); False if it was there. A
+        ValueError says why it cannot run."""
+        return await self.client.call_utility_async(
+            "add_lora", lora_request, timeout=LORA_TIMEOUT_S
+        )
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self.client.call_utility_async("remove_lora", lora_id, timeout=LORA_TIMEOUT_S)
+
+    async def list_loras(self) -> set[int]:
+        return set(await self.client.call_utility_async("list_loras"))
 
     def data_parallel_status(self) -> dict[str, Any] | None:
         """Each data-parallel rank's state and the failover counts (None without DP)."""

@@ -365,6 +365,10 @@ class MPClient:
     @staticmethod
     def _utility_value(method: str, result: UtilityResult) -> Any:
         if result.error is not None:
+            # The caller's mistake (an adapter that cannot run, say) stays a ValueError.
+            kind, _, message = result.error.partition(": ")
+            if kind == "ValueError":
+                raise ValueError(message)
             raise RuntimeError(f"{method} failed in the engine core: {result.error}")
         return result.result
 

@@ -337,6 +337,9 @@ class _DataParallel:
     def _combine(self, method: str, results: list[tuple[_Rank, Any]]) -> Any:
         """One answer from every live rank's answer to a utility."""
         answered = [(r, v) for r, v in results if not isinstance(v, BaseException)]
+        refused = [v for _, v in results if isinstance(v, ValueError)]
+        if refused:  # (an adapter every rank reads alike: all or none refuse it)
+            raise refused[0]
         if not answered:
             self._check_alive()
             errors = [v for _, v in results if isinstance(v, BaseException)]
@@ -350,6 +353,10 @@ class _DataParallel:
             return all(v for _, v in answered)
         if method == "check_health":
             return True  # some rank is up and healthy (each one's state: data_parallel_status)
+        if method in ("add_lora", "remove_lora"):
+            return any(v for _, v in answered)
+        if method == "list_loras":
+            return sorted({lora_id for _, v in answered for lora_id in v})
         return [v for _, v in answered]
 
     def shutdown(self) -> None:

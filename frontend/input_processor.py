@@ -17,6 +17,7 @@ from typing import Any, Union
 import msgspec
 
 from tokenmill.protocol.config import ModelConfig
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import (
     EngineCoreRequest,
     PoolingParams,
@@ -28,9 +29,12 @@ PromptType = Union[str, dict[str, Any]]
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any | None, lora_enabled: bool = False
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.lora_enabled = lora_enabled
 
     def process(
         self,
@@ -38,11 +42,22 @@ class InputProcessor:
         prompt: PromptType,
         params: SamplingParams | PoolingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Returns the request for the core and the prompt text (None for token prompts):
         a request to generate from with SamplingParams (a generative model's), to pool with
-        PoolingParams (a pooling model's)."""
+        PoolingParams (a pooling model's); `lora_request`: the adapter it runs."""
         config = self.model_config
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise TypeError(
+                    f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+                )
+            if not self.lora_enabled:
+                raise ValueError(
+                    f"request {request_id!r} names LoRA adapter {lora_request.lora_name!r}, "
+                    "but LoRA is not enabled (enable_lora=True)"
+                )
         pooling = isinstance(params, PoolingParams)
         if not pooling and not isinstance(params, SamplingParams):
             raise TypeError(
@@ -81,6 +96,7 @@ class InputProcessor:
             arrival_time=time.time(),
             priority=priority,
             pooling_params=pooling_params,
+            lora_request=lora_request,
         )
         # Every field as the core will decode it: an ill-typed one fails here, by name,
         # instead of in the core.

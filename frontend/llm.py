@@ -26,6 +26,7 @@ from tokenmill.frontend.llm_engine import LLMEngine
 from tokenmill.frontend.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineArgs
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import (
     POOLING_TASKS,
     PoolingParams,
@@ -36,6 +37,7 @@ from tokenmill.protocol.messages import (
 logger = logging.getLogger(__name__)
 
 ChatMessages = list[dict[str, Any]]
+LoRARequests = Union[LoRARequest, Sequence[Union[LoRARequest, None]], None]
 
 
 class LLM:
@@ -85,12 +87,16 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequests = None,
     ) -> list[RequestOutput]:
+        """Every prompt's final output, in prompt order. `lora_request`: the LoRA adapter
+        the prompts run (one for all, or one per prompt; None: the base model)."""
         self._require_runner("generate", "LLM.generate()")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         prompts, params_list, priorities = _per_prompt(prompts, sampling_params, priority)
-        return self._run(prompts, params_list, priorities, use_tqdm)
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        return self._run(prompts, params_list, priorities, use_tqdm, loras)
 
     def embed(
         self,
@@ -100,6 +106,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequests = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (a string, `{"prompt_token_ids": [...]}`, or a list of
         them), in prompt order, from a pooling model (vLLM's LLM.embed).
@@ -112,6 +119,7 @@ class LLM:
             truncate_prompt_tokens=truncate_prompt_tokens,
             use_tqdm=use_tqdm,
             priority=priority,
+            lora_request=lora_request,
         )
         return [EmbeddingRequestOutput.from_base(o) for o in outputs]
 
@@ -124,6 +132,7 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         pooling_task: str = "embed",
+        lora_request: LoRARequests = None,
     ) -> list[PoolingRequestOutput]:
         """The pooled vector of each prompt, in prompt order, as PoolingRequestOutputs
         (`outputs.data`: a float32 tensor), from a pooling model (vLLM's LLM.encode); a
@@ -141,7 +150,8 @@ class LLM:
                 else msgspec.structs.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                 for p in params_list
             ]  # fmt: skip
-        return self._run(prompts, params_list, priorities, use_tqdm)  # type: ignore[return-value]
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        return self._run(prompts, params_list, priorities, use_tqdm, loras)  # type: ignore[return-value]
 
     def _require_runner(self, runner_type: str, method: str) -> None:
         """vLLM's refusal of a method the model's runner does not serve."""
@@ -161,6 +171,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequests = None,
     ) -> list[RequestOutput]:
         """Generates for one conversation or several, each rendered with the model's chat
         template (or `chat_template`); `tools` (OpenAI's function tools) and
@@ -182,13 +193,14 @@ class LLM:
             )  # fmt: skip
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequests = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search: per prompt, the best `params.beam_width` sequences (prompt
         included in `tokens` and `text`), best first (see frontend/beam_search.py)."""
@@ -199,14 +211,16 @@ class LLM:
         eos = frozenset(config.eos_token_ids)
         tokenize = engine.input_processor.prompt_token_ids
         searches = [BeamSearch(tokenize(p), params, eos, config.max_model_len) for p in prompts]
+        loras = _per_prompt_loras(lora_request, len(searches))
         step = searches[0].step_params() if searches else None
         for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
-            batch = [(s, beam) for s in searches for beam in s.live()]
+            batch = [(i, beam) for i, s in enumerate(searches) for beam in s.live()]
             if not batch:
                 break
             outputs = self.generate(
-                [{"prompt_token_ids": beam.tokens} for _, beam in batch], step, use_tqdm=False
-            )
+                [{"prompt_token_ids": beam.tokens} for _, beam in batch], step, use_tqdm=False,
+                lora_request=[loras[i] for i, _ in batch],
+            )  # fmt: skip
             start = 0
             for search in searches:
                 n = len(search.live())
@@ -220,6 +234,7 @@ class LLM:
         params_list: list[Any],
         priorities: list[int],
         use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[Any]:
         """Every prompt's final output, in prompt order (RequestOutputs for SamplingParams,
         PoolingRequestOutputs for PoolingParams)."""
@@ -234,9 +249,9 @@ class LLM:
         params_list = [final.get(id(p), p) for p in params_list]
         # Validate every prompt before submitting any, so a bad one costs nothing else.
         requests = []
-        for prompt, params, prio in zip(prompts, params_list, priorities):
+        for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
             req_id = str(next(self._request_counter))
-            requests.append(engine.input_processor.process(req_id, prompt, params, prio))
+            requests.append(engine.input_processor.process(req_id, prompt, params, prio, lora))
         engine.submit(requests)
 
         order = {request.request_id: i for i, (request, _) in enumerate(requests)}
@@ -265,8 +280,28 @@ class LLM:
         KV blocks, as in vLLM."""
         return self.llm_engine.reset_prefix_cache()
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads a LoRA adapter into the workers before any request names it."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
+
+
+def _per_prompt_loras(lora_request: LoRARequests, num_prompts: int) -> list[LoRARequest | None]:
+    """Each prompt's adapter: one for all (or None), or one per prompt (vLLM's)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"lora_request has {len(loras)} entries for {num_prompts} prompts")
+    return loras
 
 
 def _per_prompt(

@@ -18,7 +18,8 @@ from tokenmill.frontend.core_client import EngineCoreClient
 from tokenmill.frontend.input_processor import InputProcessor, PromptType
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.frontend.outputs import PoolingRequestOutput, RequestOutput
-from tokenmill.protocol.config import EngineArgs, EngineConfig, ModelConfig
+from tokenmill.protocol.config import EngineArgs, EngineConfig
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import EngineCoreRequest, PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ _TOKENIZER_LOAD_TIMEOUT_S = 300  # loading reads a few MB from disk: seconds, ne
 
 # tokenizer_config.json classes that AutoTokenizer builds as transformers' generic backend
 # over `tokenizers` (PreTrainedTokenizerFast is its name before transformers 5).
+# Reading an adapter into every worker (and every data-parallel rank): a disk read, seconds.
+LORA_TIMEOUT_S = 180.0
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
@@ -75,17 +78,19 @@ def preload_tokenizer(config: EngineConfig | None, multiprocess: bool) -> Future
 
 
 def make_processors(
-    model_config: ModelConfig, preloaded: Future | None = None
+    config: EngineConfig, preloaded: Future | None = None
 ) -> tuple[Any, InputProcessor, OutputProcessor]:
     """The tokenizer (None with skip_tokenizer_init; `preloaded`'s where one was started) and
     the processors around it."""
+    model_config = config.model_config
     if model_config.skip_tokenizer_init:
         tokenizer = None
     elif preloaded is not None:
         tokenizer = preloaded.result(timeout=_TOKENIZER_LOAD_TIMEOUT_S)
     else:
         tokenizer = load_tokenizer(model_config.tokenizer)
-    return tokenizer, InputProcessor(model_config, tokenizer), OutputProcessor(tokenizer)
+    lora = config.lora_config is not None
+    return tokenizer, InputProcessor(model_config, tokenizer, lora), OutputProcessor(tokenizer)
 
 
 class LLMEngine:
@@ -105,7 +110,7 @@ class LLMEngine:
         )
         self.config = self.client.engine_config
         self.tokenizer, self.input_processor, self.output_processor = make_processors(
-            self.config.model_config, tokenizer
+            self.config, tokenizer
         )
 
     @classmethod
@@ -118,8 +123,11 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | PoolingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        self.submit([self.input_processor.process(request_id, prompt, params, priority)])
+        self.submit(
+            [self.input_processor.process(request_id, prompt, params, priority, lora_request)]
+        )
 
     def submit(self, processed: list[tuple[EngineCoreRequest, str | None]]) -> None:
         """Sends already processed requests to the core together (so that a spawned core
@@ -153,6 +161,17 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.client.call_utility("reset_prefix_cache")
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads the adapter into the workers now (vLLM's add_lora); False if it was there. A
+        ValueError says why it cannot run."""
+        return self.client.call_utility("add_lora", lora_request, timeout=LORA_TIMEOUT_S)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.client.call_utility("remove_lora", lora_id, timeout=LORA_TIMEOUT_S)
+
+    def list_loras(self) -> set[int]:
+        return set(self.client.call_utility("list_loras"))
 
     def shutdown(self) -> None:
         self.client.shutdown()

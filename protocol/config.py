@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from tokenmill.protocol.default_model import resolve_model
 from tokenmill.protocol.device_defaults import DeviceDefaults, device_defaults, has_triton
+from tokenmill.protocol.lora import LoRAConfig
 from tokenmill.protocol.model_registry import check_architecture
 
 logger = logging.getLogger(__name__)
@@ -424,6 +425,7 @@ class EngineConfig:
     device_config: DeviceConfig
     load_config: LoadConfig
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None  # None: LoRA off
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         model_config = dataclasses.replace(self.model_config, max_model_len=max_model_len)
@@ -484,6 +486,10 @@ class EngineArgs:
     runner: str = "auto"  # "auto" | "generate" | "pooling" (vLLM's)
     convert: str = "auto"  # "auto" | "none" | "embed": a *ForCausalLM model as an embedder
     pooler_config: dict | None = None  # vLLM's keys; see PoolerConfig
+    enable_lora: bool = False  # LoRA adapters (LoRARequest); see LoRAConfig for the three below
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -535,7 +541,14 @@ class EngineArgs:
             device_config=_device_config(self, defaults, pooling),
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
             speculative_config=_speculative_config(self, model_config, defaults),
+            lora_config=_lora_config(self),
         )
+
+
+def _lora_config(args: EngineArgs) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 def _speculative_config(
@@ -1014,6 +1027,11 @@ ENGINE_ARG_HELP = {
     "pooler_config": 'a pooling model\'s pooling, as JSON: {"pooling_type": "LAST" | "MEAN" | '
     '"CLS", "normalize": true, "dimensions": N} (default: the sentence-transformers files, '
     "else LAST, normalized)",
+    "enable_lora": "serve LoRA adapters (PEFT folders) named by requests (LoRARequest) or by "
+    "--lora-modules",
+    "max_loras": "LoRA adapters in device slots: the most distinct adapters one step runs",
+    "max_lora_rank": "the LoRA slots' rank; an adapter of a higher rank is refused",
+    "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", '
     '"num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "draft_model", '
     '"model": FOLDER, "num_speculative_tokens": 3}',

@@ -4,7 +4,12 @@ workers (worker/lora/adapter.py) from `lora_path`, a PEFT folder."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
+
+# The ranks the kernels take (vLLM's set: a max_lora_rank outside it is refused).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):  # type: ignore[call-arg]
@@ -29,3 +34,28 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):  # type: ign
 
     def __hash__(self) -> int:
         return hash(self.lora_name)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA's settings (vLLM's): `max_loras` adapters in device slots, so at most that many
+    distinct adapters per step; `max_lora_rank` the slots' rank (an adapter of a higher rank
+    is refused); `max_cpu_loras` adapters kept read in host memory (default max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(
+                f"max_lora_rank ({self.max_lora_rank}) must be one of {MAX_LORA_RANKS}"
+            )
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )

@@ -18,6 +18,7 @@ import numpy as np
 
 from tokenmill.protocol.config import EngineConfig, ModelConfig, check_dimensions
 from tokenmill.protocol.lark import is_lark, lark_to_ebnf
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.utils import short_repr
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
@@ -346,6 +347,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # max_tokens, min_tokens and penalties, and its grammar is advanced through them.
     resumed_token_ids: list[int] = []
     pooling_params: Optional[PoolingParams] = None
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs (enable_lora)
 
     def __post_init__(self) -> None:
         if (self.sampling_params is None) == (self.pooling_params is None):
@@ -458,6 +460,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # LoRA (vLLM's lora_requests_info): requests per adapter name, running and waiting.
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -468,7 +473,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 # ---------------------------------------------------------------- engine-core process wire
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class RequestType:

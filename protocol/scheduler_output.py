@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import LogprobsArrays, PoolingParams, SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):  # type: ignore
     # Tokens already produced: a preempted request comes back as new, with its outputs so far.
     output_token_ids: list[int] = []
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]

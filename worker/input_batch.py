@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import PoolingParams, SamplingParams
 from tokenmill.protocol.scheduler_output import NewRequestData, SchedulerOutput
 from tokenmill.protocol.utils import cdiv
@@ -42,6 +43,7 @@ class RequestState:
     draft_computed: int = 0
     draft_pending: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs
 
 
 class InputBatch:
@@ -114,7 +116,11 @@ class InputBatch:
             if params is not None and params.seed is not None and not params.greedy:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
             state = self.requests[new.req_id] = RequestState(
-                new.req_id, params, generator, pooling_params=new.pooling_params
+                new.req_id,
+                params,
+                generator,
+                pooling_params=new.pooling_params,
+                lora_request=new.lora_request,
             )
         else:
             state.draft_computed, state.draft_pending = 0, []

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
+from tokenmill.kernels.punica import LoRAMapping
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.messages import LogprobsArrays
@@ -35,6 +36,7 @@ from tokenmill.worker.forward_context import set_forward_context
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.layers.custom_op import layer_kernels
 from tokenmill.worker.layers.rotary import LongRope
+from tokenmill.worker.lora.manager import LoRAManager
 from tokenmill.worker.model_loader import get_model
 from tokenmill.worker.platform import platform_of
 from tokenmill.worker.pooler import Pooler
@@ -88,6 +90,7 @@ class ModelRunner:
         self.attn_backend = make_attention_backend(config, device)
         self.model: torch.nn.Module | None = None
         self.long_rope: LongRope | None = None  # set once the model is loaded
+        self.lora_manager: LoRAManager | None = None  # the adapters' slots, with enable_lora
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -133,6 +136,11 @@ class ModelRunner:
                 self.proposer.load()
         # LongRoPE's rule for the rotary table's rows, see _rope_positions.
         self.long_rope = getattr(self.model, "long_rope", None)
+        lora = self.config.lora_config
+        if lora is not None:
+            self.lora_manager = LoRAManager(
+                self.model, lora, self.dtype, self.device, self.layer_kernels()
+            )
         self.platform.after_load()
         self.model_memory = {
             "weights_bytes": model_tensor_bytes(self.model),
@@ -180,7 +188,9 @@ class ModelRunner:
             self.device,
         )
         device_config = config.device_config
-        if self.platform.has_graphs and self.use_triton and not device_config.enforce_eager:
+        # (LoRA steps run eagerly: a graph would hold one step's adapter mapping.)
+        if (self.platform.has_graphs and self.use_triton and not device_config.enforce_eager
+                and self.lora_manager is None):  # fmt: skip
             self.enable_decode_graphs(capture=True)
 
     def enable_decode_graphs(self, capture: bool) -> None:
@@ -335,9 +345,36 @@ class ModelRunner:
             num_drafts = self._insert_drafts(out, req_ids, rows)
             layout = TokenLayout.of(rows, batch.num_computed_tokens[rows], query_lens)
             step, logit_rows = self._plan(out, req_ids, layout, num_drafts, timer)
+            if self.lora_manager is not None:
+                self._plan_lora(step)
             self._device_inputs(step, num_drafts, logit_rows)
             batch.num_computed_tokens[rows] = layout.seq_lens
         return step
+
+    def _plan_lora(self, step: PreparedStep) -> None:
+        """Each token's adapter (by lora_int_id, 0 for none), where any request runs one."""
+        batch = self.input_batch
+        assert batch is not None
+        adapters = [batch.requests[r].lora_request for r in step.req_ids]
+        if not any(adapters):
+            return
+        ids = np.array([0 if a is None else a.lora_int_id for a in adapters], dtype=np.int64)
+        step.lora_requests = {a.lora_int_id: a for a in adapters if a is not None}
+        step.token_lora_ids = np.repeat(ids, step.layout.query_lens)
+
+    def _lora_mapping(self, step: PreparedStep) -> LoRAMapping | None:
+        """The step's rows by adapter slot, copying adapters into slots as needed (on the
+        device's thread, after the steps before have run)."""
+        manager = self.lora_manager
+        if manager is None or step.token_lora_ids is None:
+            return None
+        slots = manager.activate(step.lora_requests)
+        ids = step.token_lora_ids
+        lookup = np.full(int(ids.max()) + 1, -1, dtype=np.int64)
+        for lora_id, slot in slots.items():
+            lookup[lora_id] = slot
+        row_slots = to_device(lookup[ids], self.device)
+        return LoRAMapping.of(row_slots, manager.config.max_loras)
 
     def _step_order(self, out: SchedulerOutput) -> list[str]:
         """Decodes (one new token) first, by context length so that the attention backend's
@@ -608,7 +645,7 @@ class ModelRunner:
         ids_t = self.ids_staging.to_device(input_ids)[0]
         if self.on_forward is not None:
             self.on_forward()
-        with set_forward_context(step.attn_metadata):
+        with set_forward_context(step.attn_metadata, self._lora_mapping(step)):
             return self.model(ids_t, step.positions_t)
 
     def _logits(self, step: PreparedStep, hidden: torch.Tensor) -> torch.Tensor:

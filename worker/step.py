@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.scheduler_output import KVCacheSpec, SchedulerOutput
 from tokenmill.protocol.utils import StageTimes, cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
@@ -121,6 +122,9 @@ class PreparedStep:
     positions_t: torch.Tensor | None = None
     logit_rows_t: torch.Tensor | None = None  # the hidden states that give logits (None: all)
     sample_rows_t: torch.Tensor | None = None  # sample_rows on the device
+    # LoRA: each token's adapter id (0: none) and the step's adapters; None: no adapter runs.
+    token_lora_ids: np.ndarray | None = None
+    lora_requests: dict[int, LoRARequest] = field(default_factory=dict)
     # Set once the device part has read the batch (the next step may then change it).
     inputs_taken: threading.Event = field(default_factory=threading.Event)
     future: Future | None = None

@@ -15,7 +15,9 @@ from concurrent.futures import Future
 import torch
 
 from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.scheduler_output import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.lora.manager import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_state import init_distributed, init_tensor_parallel
 from tokenmill.worker.platform import platform_of
@@ -36,6 +38,9 @@ class Worker:
             "submit_model",
             "describe_shards",
             "model_memory",
+            "add_lora",
+            "remove_lora",
+            "list_loras",
         }
     )
 
@@ -132,6 +137,28 @@ class Worker:
         """Lets the runner's device thread end, waiting up to `wait` seconds for it; returns
         whether it has ended."""
         return self.model_runner is None or self.model_runner.close(wait)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads the adapter into host memory (a ValueError naming what is wrong if it cannot
+        run here); False if it was added already."""
+        manager = self._lora_manager()
+        assert self.model_runner is not None
+        # On the device's thread, which steps change the adapters from (and read their slots).
+        return self.model_runner.on_device(lambda: manager.add(lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        manager = self._lora_manager()
+        assert self.model_runner is not None
+        return self.model_runner.on_device(lambda: manager.remove(lora_id))
+
+    def list_loras(self) -> list[int]:
+        return sorted(self._lora_manager().list())
+
+    def _lora_manager(self) -> LoRAManager:
+        runner = self.model_runner
+        if runner is None or runner.lora_manager is None:
+            raise ValueError("LoRA is not enabled (start the engine with enable_lora=True)")
+        return runner.lora_manager
 
     def describe_shards(self) -> dict[str, list[int]]:
         """The shape of every parameter this rank holds (a packed matmul weight's as [N, K]), and

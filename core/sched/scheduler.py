@@ -60,6 +60,8 @@ class Scheduler:
         self.max_model_len = config.model_config.max_model_len
         self.policy = sched.policy
         self.pooling = config.model_config.runner_type == "pooling"
+        lora = config.lora_config
+        self.max_loras = 0 if lora is None else lora.max_loras  # 0: LoRA off
         spec = config.speculative_config
         self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
         self.spec_disable_by_batch_size = None if spec is None else spec.disable_by_batch_size
@@ -218,10 +220,18 @@ class Scheduler:
         """Then waiting ones, in queue order, each from its prefix-cache hit on, while the
         budget, max_num_seqs and the free blocks allow. Returns the budget left."""
         kv = self.kv_cache_manager
+        # LoRA: a step runs at most max_loras distinct adapters; a request whose adapter would
+        # be one more waits (skipped, in order) for a step with room.
+        adapters = self.running_adapters() if self.max_loras else set()
+        skipped: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted while its step ran: it resumes once that token is in
+            lora_id = request.lora_id
+            if lora_id and lora_id not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.pop())
+                continue
             # A request asking for prompt logprobs computes its whole prompt (as in vLLM).
             hits, num_hit_tokens = (
                 ([], 0) if request.wants_prompt_logprobs else kv.get_computed_blocks(request)
@@ -238,6 +248,8 @@ class Scheduler:
                 break
             kv.record_lookup(request, num_hit_tokens)
             self.waiting.pop()
+            if lora_id:
+                adapters.add(lora_id)
             self._add_running(request)
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
@@ -255,10 +267,27 @@ class Scheduler:
                     num_computed_tokens=num_hit_tokens,
                     output_token_ids=list(request.output_token_ids),
                     pooling_params=request.pooling_params,
+                    lora_request=request.lora_request,
                 )
             )
             request.num_computed_tokens += num_new
+        for request in reversed(skipped):
+            self.waiting.requeue(request)
         return budget
+
+    def running_adapters(self) -> set[int]:
+        """The LoRA adapters of the running requests (by lora_int_id)."""
+        return {r.lora_id for r in self.running if r.lora_id}
+
+    def lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter name, running and waiting (vLLM's lora_requests_info)."""
+        counts: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        for requests, found in zip((self.running, self.waiting), counts):
+            for request in requests:
+                if request.lora_request is not None:
+                    name = request.lora_request.lora_name
+                    found[name] = found.get(name, 0) + 1
+        return counts
 
     def _add_running(self, request: Request) -> None:
         if self.policy == "fcfs":

@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.worker.forward_context import current_lora_mapping
 from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 
 if TYPE_CHECKING:
+    from tokenmill.worker.lora.layers import LoRALayer
     from tokenmill.worker.model_loader import CheckpointTensor
 
 Loaded = Union[torch.Tensor, "CheckpointTensor"]
@@ -157,6 +159,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.tp_dim = tp_dim  # the dimension of the weight split across ranks, if any
+        self.in_features, self.out_features = in_features, out_features  # on this rank
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -167,11 +170,19 @@ class LinearBase(nn.Module):
         # A quantized weight in the kernels' layout (set by a quantization method's finalize;
         # the weight parameter is then empty).
         self.qweight = None
+        # The adapter slots, where LoRA is on and targets this layer (worker/lora/).
+        self.lora: LoRALayer | None = None
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweight is not None:
-            return quantized_matmul(x, self.qweight, bias)
-        return matmul(x, self.weight, bias)
+            y = quantized_matmul(x, self.qweight, bias)
+        else:
+            y = matmul(x, self.weight, bias)
+        if self.lora is not None:
+            mapping = current_lora_mapping()
+            if mapping is not None:
+                self.lora.apply(x, y, mapping)
+        return y
 
     def _shard(self, param: nn.Parameter, loaded: Loaded) -> Loaded:
         dim = self.tp_dim

@@ -20,6 +20,7 @@ from tokenmill.kernels.cpu import int8
 from tokenmill.kernels.cpu.linear import fuses_silu_mul, linear_silu_mul
 from tokenmill.protocol.config import ModelConfig
 from tokenmill.worker.attention.base import AttentionBackend
+from tokenmill.worker.forward_context import current_lora_mapping
 from tokenmill.worker.layers.activation import SiluAndMul
 from tokenmill.worker.layers.attention import Attention
 from tokenmill.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -99,12 +100,23 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj
         weight = gate_up.weight
         # Packed for tokenmill's CPU kernels (and not widened to fp32 for this CPU): one
-        # pass, no [.., 2 * inter] product.
-        if self.act_fn.kind == "cpu" and weight.dtype == x.dtype and fuses_silu_mul(weight):
+        # pass, no [.., 2 * inter] product; not where an adapter adds to that product.
+        fused = gate_up.lora is None or current_lora_mapping() is None
+        if (
+            fused
+            and self.act_fn.kind == "cpu"
+            and weight.dtype == x.dtype
+            and fuses_silu_mul(weight)
+        ):
             return self.down_proj(linear_silu_mul(x, weight, gate_up.bias))
         q = gate_up.qweight
-        if (self.act_fn.kind == "cpu" and isinstance(q, int8.PackedInt8) and int8.fuses_silu_mul(q)
-                and x.dtype in (torch.bfloat16, torch.float32)):  # fmt: skip
+        if (
+            fused
+            and self.act_fn.kind == "cpu"
+            and isinstance(q, int8.PackedInt8)
+            and int8.fuses_silu_mul(q)
+            and x.dtype in (torch.bfloat16, torch.float32)
+        ):
             return self.down_proj(int8.int8_linear_silu_mul(x, q, gate_up.bias))
         return self.down_proj(self.act_fn(gate_up(x)))
 
@@ -170,7 +182,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.prepare(positions, x.dtype)
         # On the CPU kernels a decode step's layers run as one call (worker/models/cpu_decode.py).
-        done = self.decode_loop.run(self.layers, x, rope) if x.device.type == "cpu" else None
+        # (Not yet with adapters: the call does not take LoRA operands.)
+        loop = x.device.type == "cpu" and current_lora_mapping() is None
+        done = self.decode_loop.run(self.layers, x, rope) if loop else None
         if done is not None:
             x, residual = done
         else:

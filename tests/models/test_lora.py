@@ -1,0 +1,202 @@
+"""LoRA adapters in the engine against HF + peft: a batch mixing the base model and two
+adapters (ranks 8 and 16, made with peft here, B drawn large enough to change the output)
+gives every request peft's greedy tokens (fp32), at TP=1 and TP=2, with chunked prefill,
+prefix hits (the same prompt under each adapter: no block is shared across adapters),
+preemption, async scheduling, n-gram speculation and one device slot (max_loras=1: the
+scheduler runs one adapter per step, the slot is swapped). Adapters are added before use or
+on first use, removed, listed; what cannot run is refused by name, and the request ends with
+the error while others go on."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tokenmill import LLM, LoRARequest, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.slow
+
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_TOKENS = 12
+
+
+def make_adapter(base_path: str, folder, rank: int, seed: int, modules=MODULES) -> str:
+    """A PEFT LoRA adapter of `rank` on the base model, with random B (peft initialises B to
+    zeros, which would change nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules, lora_dropout=0.0)
+    model = peft.get_peft_model(base, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "lora_A" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.15)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return str(folder)
+
+
+def peft_greedy(base_path: str, adapter: str | None, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+            pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+# Lengths that each grow by a block while decoding (preemption), and a periodic prompt whose
+# n-grams the proposer finds.
+PROMPTS = [[(13 * i + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((9, 23, 40))]
+PROMPTS.append([3 + j % 5 for j in range(61)])
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    path = str(tiny_model("llama-gqa"))
+    folder = tmp_path_factory.mktemp("adapters")
+    adapters = {
+        "r8": LoRARequest("r8", 1, make_adapter(path, folder / "r8", 8, seed=1)),
+        "r16": LoRARequest("r16", 2, make_adapter(path, folder / "r16", 16, seed=2)),
+    }
+    # Every prompt under the base model and each adapter: the same prompt thrice, so that
+    # prefix hits would cross adapters if the cache keys did not hold the adapter.
+    cases = [(p, lora) for p in PROMPTS for lora in (None, adapters["r8"], adapters["r16"])]
+    expected = [
+        peft_greedy(path, None if lora is None else lora.lora_path, p, MAX_TOKENS)
+        for p, lora in cases
+    ]
+    # The adapters change every prompt's greedy tokens, and differently.
+    for i in range(0, len(cases), 3):
+        assert expected[i] != expected[i + 1] and expected[i] != expected[i + 2]
+        assert expected[i + 1] != expected[i + 2]
+    return path, adapters, cases, expected
+
+
+def generate(path: str, cases, **engine_args) -> tuple[list[list[int]], dict]:
+    engine_args.setdefault("max_loras", 2)
+    engine_args.setdefault("max_model_len", 128)
+    llm = LLM(path, dtype="float32", enable_lora=True, max_lora_rank=16, skip_tokenizer_init=True,
+              **engine_args)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p, _ in cases], params, use_tqdm=False,
+            lora_request=[lora for _, lora in cases],
+        )  # fmt: skip
+        return [o.outputs[0].token_ids for o in outputs], llm.get_stats()
+    finally:
+        llm.shutdown()
+
+
+SETTINGS = {
+    "default": {},
+    "chunked-16": dict(max_num_batched_tokens=16, enable_chunked_prefill=True),
+    "preemption": dict(num_gpu_blocks_override=7, max_model_len=96, enable_prefix_caching=False),
+    "async": dict(async_scheduling=True),
+    "ngram": dict(
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+            "auto_disable": False,
+        }
+    ),  # fmt: skip
+    "one-slot": dict(max_loras=1, max_cpu_loras=1),
+    "tp2": dict(tensor_parallel_size=2),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_mixed_adapters_match_peft(setup, setting: str) -> None:
+    path, _, cases, expected = setup
+    actual, stats = generate(path, cases, **SETTINGS[setting])
+    assert actual == expected
+    if setting == "preemption":
+        assert stats["num_preemptions"] > 0, stats
+    if setting == "ngram":
+        assert stats["spec_decode_num_drafts"] > 0, stats
+
+
+def test_prefix_hits_stay_within_an_adapter(setup) -> None:
+    """Sent twice in turn, the second round hits the cache, each prompt under its own
+    adapter's blocks only, and still gives peft's tokens."""
+    path, _, cases, expected = setup
+    llm = LLM(path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              skip_tokenizer_init=True, max_model_len=128)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p, _ in cases]
+        loras = [lora for _, lora in cases]
+        for i in range(len(cases)):  # one at a time: later ones may hit earlier ones' blocks
+            out = llm.generate(prompts[i], params, use_tqdm=False, lora_request=loras[i])
+            assert out[0].outputs[0].token_ids == expected[i]
+            assert out[0].num_cached_tokens == 0  # never another adapter's blocks
+        again = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in again] == expected
+        assert all(o.num_cached_tokens >= 16 for o in again if len(o.prompt_token_ids) > 16)
+    finally:
+        llm.shutdown()
+
+
+def test_adapters_added_listed_removed_and_refused(setup, tmp_path) -> None:
+    path, adapters, cases, expected = setup
+    r8, r16 = adapters["r8"], adapters["r16"]
+    big = LoRARequest("r32", 3, make_adapter(path, tmp_path / "r32", 32, seed=3))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    config = os.path.join(r16.lora_path, "adapter_config.json")
+    (empty / "adapter_config.json").write_text(open(config).read())
+    llm = LLM(path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              skip_tokenizer_init=True, max_model_len=128)  # fmt: skip
+    try:
+        assert llm.add_lora(r8) is True
+        assert llm.add_lora(r8) is False
+        assert llm.list_loras() == {1}
+        with pytest.raises(ValueError, match="LoRA rank 32 is greater than max_lora_rank 16"):
+            llm.add_lora(big)
+        with pytest.raises(ValueError, match="doesn't contain tensors"):
+            llm.add_lora(LoRARequest("empty", 4, str(empty)))
+        assert llm.list_loras() == {1}
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        # A request naming an adapter that cannot run ends with the error; the others go on.
+        i = 1  # PROMPTS[0] under r8
+        outputs = llm.generate(
+            [{"prompt_token_ids": cases[i][0]}] * 3, params, use_tqdm=False,
+            lora_request=[r8, big, r16],
+        )  # fmt: skip
+        assert outputs[0].outputs[0].token_ids == expected[1]
+        assert outputs[2].outputs[0].token_ids == expected[2]
+        assert outputs[1].outputs[0].finish_reason == "error" or outputs[1].error
+        assert llm.list_loras() == {1, 2}  # r16 was added by its request
+        assert llm.remove_lora(1) is True and llm.remove_lora(1) is False
+        assert llm.list_loras() == {2}
+        # Removed, then named again: read again.
+        again = llm.generate({"prompt_token_ids": cases[1][0]}, params, use_tqdm=False,
+                             lora_request=r8)  # fmt: skip
+        assert again[0].outputs[0].token_ids == expected[1]
+    finally:
+        llm.shutdown()
+
+
+def test_lora_off_refuses_adapters(setup) -> None:
+    path, adapters, cases, _ = setup
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=128)
+    try:
+        with pytest.raises(ValueError, match="LoRA is not enabled"):
+            llm.generate({"prompt_token_ids": cases[0][0]}, lora_request=adapters["r8"])
+        with pytest.raises(ValueError, match="LoRA is not enabled"):
+            llm.add_lora(adapters["r8"])
+    finally:
+        llm.shutdown()
