@@ -200,3 +200,51 @@ def test_lora_off_refuses_adapters(setup) -> None:
             llm.add_lora(adapters["r8"])
     finally:
         llm.shutdown()
+
+
+def test_smollm2_async_adapter_with_structured_outputs(smollm2_path: str, tmp_path) -> None:
+    """On the real model, through AsyncLLM: an adapter's greedy text is peft's, and a
+    structured-output request under the adapter answers one of its choices, beside a base
+    request that gives the base model's tokens."""
+    import asyncio
+
+    from tokenmill import AsyncLLM
+    from tokenmill.protocol.messages import StructuredOutputsParams
+
+    adapter = LoRARequest("smol", 1, make_adapter(smollm2_path, tmp_path / "smol", 8, seed=4,
+                                                  modules=["q_proj", "v_proj", "down_proj"]))  # fmt: skip
+    prompt = [1, 504, 3458, 282, 4649, 314, 253]  # any ids: no tokenizer is needed to compare
+    expected = peft_greedy(smollm2_path, adapter.lora_path, prompt, MAX_TOKENS)
+    base_expected = peft_greedy(smollm2_path, None, prompt, MAX_TOKENS)
+    assert expected != base_expected
+    choices = ["red", "green", "blue"]
+
+    async def run() -> tuple[list[int], list[int], str]:
+        engine = AsyncLLM(smollm2_path, dtype="float32", enable_lora=True, max_lora_rank=8,
+                          max_model_len=256, kv_cache_memory_bytes=64 << 20)  # fmt: skip
+        try:
+            greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            choose = SamplingParams(
+                temperature=0.0, max_tokens=8,
+                structured_outputs=StructuredOutputsParams(choice=choices),
+            )  # fmt: skip
+
+            async def last(prompt_, params, request_id, lora):
+                outs = [o async for o in engine.generate(prompt_, params, request_id,
+                                                         lora_request=lora)]  # fmt: skip
+                return outs[-1].outputs[0]
+
+            tokens = {"prompt_token_ids": prompt}
+            a, b, c = await asyncio.gather(
+                last(tokens, greedy, "adapter", adapter),
+                last(tokens, greedy, "base", None),
+                last("The colour of the sky is", choose, "choice", adapter),
+            )
+            return list(a.token_ids), list(b.token_ids), c.text
+        finally:
+            engine.shutdown()
+
+    adapted, base, chosen = asyncio.run(run())
+    assert adapted == expected
+    assert base == base_expected
+    assert chosen in choices
