@@ -49,6 +49,10 @@ threads of a process have run torch ops libgomp's threads sleep between parallel
 the ranks are worker processes that split this machine's cores and its KV cache budget.
 Dummy weights are drawn per rank, so their tokens differ between sizes (the counts do not:
 every request ignores EOS).
+
+`--lora 0 1 4` runs one engine per count: 0 is the base model without LoRA, N > 0 an engine
+with enable_lora (max_loras N) whose requests are spread round-robin over N random adapters
+of `--lora-rank` (PEFT folders written once, on every q/k/v/o and gate/up/down projection).
 """
 
 from __future__ import annotations
@@ -95,6 +99,39 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
     return Workload(prompts, output_lens)
 
 
+def write_adapters(model_path: str, count: int, rank: int, folder: Path) -> list[str]:
+    """`count` random PEFT LoRA adapters of `rank` for the model (every attention and MLP
+    projection; B large enough that the adapter changes the output)."""
+    import torch
+    from safetensors.torch import save_file
+
+    hf = json.load(open(os.path.join(model_path, "config.json")))
+    hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+    head = hf.get("head_dim") or hidden // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * head, hf.get("num_key_value_heads", 1) * head
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}  # fmt: skip
+    paths = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(hf["num_hidden_layers"]):
+            for name, (k, n) in shapes.items():
+                part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, k, generator=g) / k**0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n, rank, generator=g) * 0.02
+        path = folder / f"adapter{i}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                  "target_modules": list(shapes), "bias": "none"}  # fmt: skip
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        paths.append(str(path))
+    return paths
+
+
 def start_tokenmill(
     args: argparse.Namespace,
     workload: Workload,
@@ -105,9 +142,14 @@ def start_tokenmill(
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
     gpu_share: float = 0.9,
+    loras: int = 0,
 ):
     start = time.perf_counter()
     from tokenmill import LLM, SamplingParams
+
+    lora_args = {}
+    if loras:
+        lora_args = dict(enable_lora=True, max_loras=loras, max_lora_rank=args.lora_rank)
 
     llm = LLM(
         args.model,
@@ -123,6 +165,7 @@ def start_tokenmill(
         kv_cache_dtype=kv_cache_dtype,
         gpu_memory_utilization=gpu_share,
         skip_tokenizer_init=True,  # token-id prompts; nothing to detokenize
+        **lora_args,
     )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": workload.prompts[0][:32]}], warm, use_tqdm=False)
@@ -133,8 +176,9 @@ STAGES = ("schedule", "prepare", "forward", "logits", "sample", "update", "outpu
           "wait")  # fmt: skip
 
 
-def run_tokenmill(llm, workload: Workload) -> float:
-    from tokenmill import SamplingParams
+def run_tokenmill(llm, workload: Workload, adapters: list[str] | None = None) -> float:
+    """Seconds for the workload; with adapters, request i runs adapter i mod their count."""
+    from tokenmill import LoRARequest, SamplingParams
 
     # Nothing may come from the prefix cache: not the warm-up prompt, not an earlier round.
     llm.reset_prefix_cache()
@@ -142,8 +186,14 @@ def run_tokenmill(llm, workload: Workload) -> float:
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
     ]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    loras = None
+    if adapters:
+        requests = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(adapters)]
+        loras = [requests[i % len(requests)] for i in range(len(prompts))]
+        for request in requests:  # read before the clock starts, as a server's --lora-modules
+            llm.add_lora(request)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     expected = sum(workload.output_lens)
@@ -305,6 +355,16 @@ def main() -> None:
         help="one tokenmill engine per setting given: auto (the model's dtype), fp8",
     )
     parser.add_argument(
+        "--lora",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="N",
+        help="one tokenmill engine per count given: 0 the base model, N requests spread over "
+        "N LoRA adapters",
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank")
+    parser.add_argument(
         "--rounds", type=int, default=1, help="alternating runs per engine; the best is reported"
     )
     parser.add_argument(
@@ -355,11 +415,18 @@ def main() -> None:
     sizes = args.tensor_parallel_size
     overlaps = args.async_scheduling
     quants, caches = args.quantization, args.kv_cache_dtype
+    loras = args.lora
     engines_spec = [
-        (mode, tp, a, d, q, c)
+        (mode, tp, a, d, q, c, n)
         for mode in modes for tp in sizes for a in overlaps for d in dtypes for q in quants
-        for c in caches
+        for c in caches for n in loras
     ]  # fmt: skip
+    adapters: list[str] = []
+    if max(loras):
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="tokenmill-bench-lora-"))
+        adapters = write_adapters(model_path, max(loras), args.lora_rank, folder)
     names = [
         "tokenmill ("
         + ", ".join(
@@ -369,9 +436,10 @@ def main() -> None:
             + ([d] if len(dtypes) > 1 else [])
             + ([q] if len(quants) > 1 or q != "none" else [])
             + ([f"kv {c}"] if len(caches) > 1 or c != "auto" else [])
+            + ([f"{n} LoRA" if n else "no LoRA"] if len(loras) > 1 or n else [])
         )
         + ")"
-        for mode, tp, a, d, q, c in engines_spec
+        for mode, tp, a, d, q, c, n in engines_spec
     ]
     # Engines start one at a time, so that each start-up is measured alone.
     startup: dict[str, float] = {}
@@ -379,9 +447,9 @@ def main() -> None:
     # The engines are alive together: on a GPU each takes an equal share of its memory (and
     # room is left for HF).
     gpu_share = 0.8 / len(engines_spec)
-    for (mode, tp, a, d, q, c), name in zip(engines_spec, names):
+    for (mode, tp, a, d, q, c, n), name in zip(engines_spec, names):
         llm, startup[name] = start_tokenmill(
-            args, workload, mode == "mp", tp, a, d, q, c, gpu_share
+            args, workload, mode == "mp", tp, a, d, q, c, gpu_share, n
         )
         engines.append(llm)
     peers = start_peers(args, workload, model_path, dtype, device, threads)
@@ -396,9 +464,9 @@ def main() -> None:
     busy = [_start_busy() for _ in range(args.busy_threads)]
     try:
         for _ in range(args.rounds):
-            for llm, name in zip(engines, names):
+            for llm, name, spec in zip(engines, names, engines_spec):
                 before = llm.get_stats()
-                times[name].append(run_tokenmill(llm, workload))
+                times[name].append(run_tokenmill(llm, workload, adapters[: spec[-1]]))
                 if args.step_times:
                     splits[name] = step_split(before, llm.get_stats())
             for peer, (engine_proc, _) in peers.items():
