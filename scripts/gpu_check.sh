@@ -21,16 +21,19 @@
 #   spec: speculative decoding: the rejection sampler's distribution test and the greedy
 #      equality tests (tiny random models, TP=1, async scheduling off and on) on CUDA, then
 #      bench_spec_decode.py on the Qwen3-0.6B shape with dummy weights (W1-cpu; the draft is
-#      the target's shape with the same dummy weights, so nearly every proposal is accepted).
+#      the target's shape with the same dummy weights, so nearly every proposal is accepted);
+#   lora: the Triton shrink/expand against the torch reference on the GPU, the engine's mixed
+#      adapters against HF+peft (needs peft: carry its wheel in .whl/), then W1 on the
+#      Qwen3-0.6B shape with dummy weights without LoRA, and over 1 and 4 rank-16 adapters.
 # `scripts/gpu_check.sh` runs them all, in that order; `scripts/gpu_check.sh tests moe` runs
-# those named. The steps' time limits (300, 240, 150, 360, 390, 400 s) add up to more than
+# those named. The steps' time limits (300, 240, 150, 360, 390, 400, 420 s) add up to more than
 # one 10-minute device call: `tests moe` fit one, `steps w1` another, `quant` and `spec` one
 # each (a 15-minute lease, its start included, has room for about two).
 # Logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-ALL_STEPS="tests moe steps w1 quant spec"
+ALL_STEPS="tests moe steps w1 quant spec lora"
 STEPS=${*:-$ALL_STEPS}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 for step in $STEPS; do
@@ -114,6 +117,17 @@ if wants spec; then
   timeout 200 python3 scripts/bench_spec_decode.py --model scripts/configs/qwen3-0.6b \
     --load-format dummy --draft scripts/configs/qwen3-0.6b --workloads W1-cpu \
     --concurrency 1 4 16 2>&1 | grep -v Warning | tee "$OUT/bench_spec_decode.log" | tail -14
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if wants lora; then
+  echo "== LoRA on CUDA: Triton shrink/expand, mixed adapters against HF+peft, W1 with adapters"
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/unit/test_lora_punica.py \
+    tests/models/test_lora.py -k "not tp2 and not smollm2" 2>&1 | tee "$OUT/pytest_lora.log" | tail -8
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  timeout 240 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
+    --load-format dummy --workload W1 --lora 0 1 4 2>&1 | grep -v Warning \
+    | tee "$OUT/bench_lora_w1.log" | tail -12
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
