@@ -248,3 +248,23 @@ def test_smollm2_async_adapter_with_structured_outputs(smollm2_path: str, tmp_pa
     assert adapted == expected
     assert base == base_expected
     assert chosen in choices
+
+
+def test_triton_layers_match_peft(setup, monkeypatch) -> None:
+    """The Triton backend (its interpreter on the CPU, compiled on a GPU): the adapters run
+    through the Triton shrink and expand kernels (launch counters: a torch fallback cannot
+    pass) and give peft's tokens."""
+    from helpers import require_triton
+
+    require_triton()
+    from tokenmill.kernels.launches import LAUNCHES
+
+    monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")  # in this process, to read the counters
+    path, _, cases, expected = setup
+    LAUNCHES.clear()
+    chosen = [0, 1, 2, 7, 8]  # the first prompt under base, r8 and r16; the third under r8, r16
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    actual, _ = generate(path, [cases[i] for i in chosen], attention_backend="TRITON_ATTN",
+                         device=device, enforce_eager=True)  # fmt: skip
+    assert actual == [expected[i] for i in chosen]
+    assert LAUNCHES["lora_shrink"] > 0 and LAUNCHES["lora_expand"] > 0, dict(LAUNCHES)
