@@ -6,7 +6,8 @@ scheduler's stats (gauges, and running totals that become counters here, labelle
 token updates the request's latencies (time to first token, inter-token latency, time per
 output token, end-to-end latency, queue time in the core, and the prefill / decode /
 inference phases, timed here from the core's queue time: the first step is taken to start
-at arrival + queue time). It writes into its own
+at arrival + queue time). With LoRA on (`set_lora_config`), vLLM's lora_requests_info names
+the adapters of the running and waiting requests. It writes into its own
 `CollectorRegistry`, so that several engines in one process do not collide.
 """
 
@@ -174,6 +175,8 @@ class PrometheusStatLogger:
             "event_loop_lag_max_seconds", "The longest event-loop stall since start."
         )
         self._max_lag = 0.0
+        self._lora_info: Gauge | None = None  # with LoRA on (set_lora_config)
+        self._max_loras = 0
         self._totals: dict[int, SchedulerStats] = {}  # per engine, as last sent
         self._requests: dict[str, _RequestTimes] = {}
 
@@ -183,6 +186,17 @@ class PrometheusStatLogger:
         info = Gauge(PREFIX + "cache_config_info", "The KV cache's configuration.", names,
                      registry=self.registry)  # fmt: skip
         info.labels(*(str(cache[name]) for name in names)).set(1)
+
+    def set_lora_config(self, max_loras: int) -> None:
+        """LoRA is on: vLLM's lora_requests_info follows the adapters in use, as labels
+        (comma-separated adapter names) of a gauge set to the time they were seen."""
+        self._max_loras = max_loras
+        self._lora_info = Gauge(
+            PREFIX + "lora_requests_info",
+            "Running stats on LoRA requests: the adapters of running and waiting requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
 
     # ---------------------------------------------------------------- from AsyncLLM
     def on_request(
@@ -281,6 +295,12 @@ class PrometheusStatLogger:
         self.running.labels(*labels).set(stats.num_running)
         self.waiting.labels(*labels).set(stats.num_waiting)
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
+        if self._lora_info is not None:
+            self._lora_info.labels(
+                str(self._max_loras),
+                ",".join(sorted(stats.waiting_lora_adapters)),
+                ",".join(sorted(stats.running_lora_adapters)),
+            ).set_to_current_time()
         # The core sends running totals; counters take what is new since the last message
         # (a daemon's totals from before this frontend attached count too).
         last = self._totals.get(engine, SchedulerStats())

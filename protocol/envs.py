@@ -49,6 +49,10 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     "TOKENMILL_AUTH_TOKEN": lambda: os.environ.get("TOKENMILL_AUTH_TOKEN", ""),
     # The key `tokenmill serve` demands from HTTP clients when --api-key is not given.
     "TOKENMILL_API_KEY": lambda: os.environ.get("TOKENMILL_API_KEY", ""),
+    # 1 lets clients of `tokenmill serve` load and unload LoRA adapters at run time
+    # (/v1/load_lora_adapter, /v1/unload_lora_adapter: vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    # Off by default: any client could then read a folder of the server's machine.
+    "TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING": _bool("TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING", False),
     # The KV cache on the CPU when no explicit kv_cache_memory_bytes is set: this many GiB
     # (vLLM's VLLM_CPU_KVCACHE_SPACE default), at most TOKENMILL_CPU_KV_FRACTION of the
     # available RAM. 4 GiB holds 93k tokens of SmolLM2 in fp32 (186k in bf16).

@@ -1,13 +1,16 @@
 """`tokenmill serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
     tokenmill serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine args]
+        [--enable-lora --lora-modules NAME=PATH ...]
     python -m tokenmill.frontend.server [MODEL] ...
 
 Runs AsyncLLM in the server's own event loop: the engine core is spawned (or, with
 `--engine-address`, an `engine-core` daemon is attached). Endpoints: /v1/models,
 /v1/completions, /v1/chat/completions (streamed as server-sent events with `stream=true`),
 /invocations (SageMaker's: either body), /tokenize, /detokenize, /health, /version, /metrics
-(Prometheus). With an API key (or
+(Prometheus). A request's `model` may name a LoRA adapter of --lora-modules (listed in
+/v1/models); with TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING=1, /v1/load_lora_adapter and
+/v1/unload_lora_adapter add and remove adapters while serving. With an API key (or
 TOKENMILL_API_KEY), every endpoint but /health asks for `Authorization: Bearer KEY`; a host
 other than loopback is refused without one. If the engine dies, /health answers 503 and the
 server exits with code 1 within seconds; SIGTERM stops new connections and lets requests in
@@ -20,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import os
 import signal
@@ -35,10 +39,12 @@ from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.frontend.metrics import PrometheusStatLogger
 from tokenmill.frontend.server.auth import add_api_key_check
 from tokenmill.frontend.server.errors import ERROR_HANDLERS
-from tokenmill.frontend.server.routes import embeddings, generate, health, models
+from tokenmill.frontend.server.routes import embeddings, generate, health, lora, models
+from tokenmill.frontend.server.serving import ServingError
 from tokenmill.frontend.server.serving_chat import OpenAIServingChat
 from tokenmill.frontend.server.serving_completion import OpenAIServingCompletion
 from tokenmill.frontend.server.serving_embedding import OpenAIServingEmbedding
+from tokenmill.frontend.server.serving_models import LoRAModulePath, OpenAIServingModels
 from tokenmill.frontend.server.state import ServerState
 from tokenmill.frontend.server.tool_parsers import TOOL_PARSERS
 from tokenmill.protocol import envs
@@ -61,30 +67,31 @@ def build_app(
     chat_template: str | None = None,
     enable_auto_tools: bool = False,
     tool_parser: str | None = None,
+    lora_modules: list[LoRAModulePath] | None = None,
 ) -> FastAPI:
     """The server's app: its routes (server/routes/), the error bodies (server/errors.py) and,
     with `api_key`, the key check (server/auth.py), over one ServerState. model_root: what
     /v1/models reports as the served model's root (the model as the user named it; by default
     its folder's name, never a path on this machine). chat_template, enable_auto_tools and
     tool_parser: the chat route's (--chat-template, --enable-auto-tool-choice,
-    --tool-call-parser)."""
+    --tool-call-parser). lora_modules: the adapters served beside the model (--lora-modules),
+    loaded by `load_static_loras` before the server listens."""
     pooling = engine.model_config.runner_type == "pooling"
+    root = model_root or os.path.basename(engine.model_config.model.rstrip("/"))
+    served = OpenAIServingModels(engine, model_name, root, lora_modules)
     state = ServerState(
         engine=engine,
-        model_name=model_name,
-        root=model_root or os.path.basename(engine.model_config.model.rstrip("/")),
-        completion=OpenAIServingCompletion(engine, model_name),
+        models=served,
+        completion=OpenAIServingCompletion(engine, served),
         chat=OpenAIServingChat(
             engine,
-            model_name,
+            served,
             trust_request_chat_template,
             chat_template,
             enable_auto_tools,
             tool_parser,
         ),
-        embedding=OpenAIServingEmbedding(
-            engine, model_name, trust_request_chat_template, chat_template
-        )
+        embedding=OpenAIServingEmbedding(engine, served, trust_request_chat_template, chat_template)
         if pooling
         else None,
         stat_logger=stat_logger,
@@ -103,7 +110,27 @@ def build_app(
     app.include_router(models.router)
     # A pooling model embeds; a generating one generates (vLLM's routes by runner).
     app.include_router(embeddings.router if pooling else generate.router)
+    if envs.TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING:
+        logger.warning(
+            "LoRA adapters may be loaded and unloaded at run time (/v1/load_lora_adapter): any "
+            "client can make the server read a folder of this machine; use it on trusted "
+            "networks only"
+        )
+        app.include_router(lora.router)
     return app
+
+
+async def load_static_loras(app: FastAPI) -> bool:
+    """Loads the app's --lora-modules adapters into the engine; False (logged, naming the
+    adapter and the engine's reason) if one cannot be served."""
+    state: ServerState = app.state.server
+    state.engine.start()  # the engine's answers to add_lora come through its output task
+    try:
+        await state.models.init_static_loras()
+    except ServingError as e:
+        logger.error("tokenmill serve: --lora-modules: %s", e.message)
+        return False
+    return True
 
 
 @contextlib.asynccontextmanager
@@ -173,6 +200,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=sorted(TOOL_PARSERS),
         help="how the model writes tool calls (for --enable-auto-tool-choice)",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action=LoRAParserAction,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served beside the model, each named by a request's "
+        'model: name=path, or vLLM\'s JSON {"name": ..., "path": ..., "base_model_name": ...} '
+        "(needs --enable-lora)",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--disable-access-log", action="store_true", help="no log line per HTTP request"
@@ -199,6 +236,12 @@ def serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         sys.exit("tokenmill serve: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.lora_modules and not args.enable_lora and args.engine_address is None:
+        names = ", ".join(m.name for m in args.lora_modules)
+        sys.exit(
+            f"tokenmill serve: --lora-modules ({names}) needs --enable-lora (and --max-lora-rank "
+            "at least the adapters' rank)"
+        )
     chat_template = load_chat_template(args.chat_template)
     if args.engine_address is not None:
         engine = AsyncLLM(engine_address=args.engine_address)
@@ -222,6 +265,8 @@ def serve(args: argparse.Namespace) -> int:
             "cache_dtype": engine.config.model_config.dtype,
         }
     )
+    if engine.config.lora_config is not None:
+        stat_logger.set_lora_config(engine.config.lora_config.max_loras)
     engine.stat_loggers.append(stat_logger)
     given = args.model or DEFAULT_MODEL
     root = os.path.basename(given.rstrip("/")) if os.path.exists(given) else given
@@ -235,6 +280,7 @@ def serve(args: argparse.Namespace) -> int:
         chat_template,
         args.enable_auto_tool_choice,
         args.tool_call_parser,
+        args.lora_modules,
     )
     config = uvicorn.Config(
         app,
@@ -256,10 +302,38 @@ def serve(args: argparse.Namespace) -> int:
     try:
         if loop_factory is not None and sys.version_info >= (3, 11):
             with asyncio.Runner(loop_factory=loop_factory) as runner:
-                return runner.run(_serve(server, engine))
-        return asyncio.run(_serve(server, engine))
+                return runner.run(_serve(server, app, engine))
+        return asyncio.run(_serve(server, app, engine))
     finally:
         engine.shutdown()
+
+
+class LoRAParserAction(argparse.Action):
+    """--lora-modules: each value `name=path`, or a JSON object with name, path and an
+    optional base_model_name (vLLM's two forms)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None
+    ) -> None:
+        modules = []
+        for item in values:
+            if not item:
+                continue
+            if "=" in item and "," not in item:  # name=path (a JSON object has commas)
+                name, _, path = item.partition("=")
+                modules.append(LoRAModulePath(name, path))
+                continue
+            try:
+                fields = json.loads(item)
+                modules.append(LoRAModulePath(**fields))
+            except json.JSONDecodeError:
+                parser.error(
+                    f"Invalid JSON format for --lora-modules: {item} (give name=path or "
+                    '{"name": ..., "path": ...})'
+                )
+            except TypeError as e:
+                parser.error(f"Invalid fields for --lora-modules: {item} - {e}")
+        setattr(namespace, self.dest, modules)
 
 
 def load_chat_template(given: str | None) -> str | None:
@@ -275,7 +349,9 @@ def load_chat_template(given: str | None) -> str | None:
     sys.exit(f"tokenmill serve: --chat-template {given!r} is neither a file nor a template")
 
 
-async def _serve(server: Any, engine: AsyncLLM) -> int:
+async def _serve(server: Any, app: FastAPI, engine: AsyncLLM) -> int:
+    if not await load_static_loras(app):
+        return 1
     watchdog = asyncio.ensure_future(_exit_on_engine_death(server, engine))
     try:
         await server.serve()

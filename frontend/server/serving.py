@@ -4,8 +4,10 @@
 otherwise clip or reject later: context length, logprob counts, structured output specs),
 prepares every prompt's request before any answer starts, and runs them on AsyncLLM, whole
 (`_collect`) or as server-sent events (`_stream`). A request whose client goes away is aborted
-in the core at once. Errors are `ServingError`s, which the app turns into OpenAI error
-bodies. The endpoints' own shapes live in serving_completion.py and serving_chat.py.
+in the core at once. A body's `model` names the base model or a LoRA adapter
+(serving_models.py), whose LoRARequest goes with each of its requests. Errors are
+`ServingError`s, which the app turns into OpenAI error bodies. The endpoints' own shapes live
+in serving_completion.py and serving_chat.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
 from fastapi import Request
@@ -32,6 +34,7 @@ from tokenmill.frontend.beam_search import (
 from tokenmill.frontend.input_processor import truncate_prompt
 from tokenmill.frontend.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from tokenmill.frontend.server.protocol import _SamplingFields
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import (
     EngineCoreRequest,
     PoolingParams,
@@ -40,6 +43,9 @@ from tokenmill.protocol.messages import (
     StructuredOutputsParams,
     describe_validation_error,
 )
+
+if TYPE_CHECKING:  # (serving_models.py raises this module's ServingError)
+    from tokenmill.frontend.server.serving_models import OpenAIServingModels
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -53,14 +59,25 @@ _STRUCTURED_OPTIONS = ("disable_any_whitespace",)
 
 
 class ServingError(Exception):
-    """A request the server refuses: an OpenAI error body with this status."""
+    """A request the server refuses: an OpenAI error body with this status. `err_type`
+    overrides the body's type where vLLM names it otherwise (its LoRA routes'
+    "InvalidUserInput")."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        err_type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
+        self.err_type = err_type
 
     @property
     def type(self) -> str:
+        if self.err_type is not None:
+            return self.err_type
         return {
             400: "BadRequestError",
             401: "AuthenticationError",
@@ -90,27 +107,25 @@ class OpenAIServing:
     def __init__(
         self,
         engine: AsyncLLM,
-        model_name: str,
+        models: OpenAIServingModels,
         trust_request_chat_template: bool = False,
         chat_template: str | None = None,
     ) -> None:
-        """chat_template: the server's (--chat-template), over the model's own."""
+        """models: the names a request's `model` may give (the base model, LoRA adapters);
+        chat_template: the server's (--chat-template), over the model's own."""
         self.engine = engine
-        self.model_name = model_name
+        self.models = models
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template = chat_template
         self.max_model_len = engine.model_config.max_model_len
         self.max_logprobs = engine.model_config.max_logprobs
 
     # -------------------------------------------------------------------- checks
-    def check_model(self, model: str | None) -> None:
-        """A body without a model (or with "") is served by the default one, as in vLLM."""
-        if model and model != self.model_name:
-            raise ServingError(
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                404,
-                "model",
-            )
+    def resolve_model(self, model: str | None) -> tuple[LoRARequest | None, str]:
+        """The adapter a body's `model` names (None: the base model, also for a body without
+        a model) and the name its response gives; an unknown model is a 404."""
+        lora_request = self.models.resolve(model)
+        return lora_request, self.models.model_name(lora_request)
 
     def check_supported(self, body: _SamplingFields) -> None:
         for name in body.unsupported_fields():
@@ -349,7 +364,12 @@ class OpenAIServing:
             raise ServingError(str(e), 400, "n") from None
 
     async def beam_search(
-        self, raw: Request, prompt: dict[str, Any], params: BeamSearchParams, request_id: str
+        self,
+        raw: Request,
+        prompt: dict[str, Any],
+        params: BeamSearchParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[BeamSearch, BeamSearchOutput]:
         """One prompt's beam search, each step's beams run as ordinary requests."""
         config = self.engine.model_config
@@ -361,7 +381,11 @@ class OpenAIServing:
             if not beams:
                 break
             prepared = await self._prepare(
-                [{"prompt_token_ids": b.tokens} for b in beams], step, f"{request_id}-{n}", 0
+                [{"prompt_token_ids": b.tokens} for b in beams],
+                step,
+                f"{request_id}-{n}",
+                0,
+                lora_request,
             )
             search.advance(await self._collect(raw, prepared))
         return search, search.result()
@@ -378,14 +402,18 @@ class OpenAIServing:
         params: SamplingParams | PoolingParams,
         request_id: str,
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> Prepared:
-        """Every prompt's request for the core, checked before any answer starts (so that a
-        bad prompt or parameter is a 400, also for a stream)."""
+        """Every prompt's request for the core (run with the adapter where one is named),
+        checked before any answer starts (so that a bad prompt or parameter is a 400, also
+        for a stream)."""
         prepared = []
         for i, prompt in enumerate(prompts):
             try:
                 prepared.append(
-                    await self.engine.process_inputs(f"{request_id}-{i}", prompt, params, priority)
+                    await self.engine.process_inputs(
+                        f"{request_id}-{i}", prompt, params, priority, lora_request
+                    )
                 )
             except (ValueError, TypeError) as e:
                 raise ServingError(str(e), 400, _param_named_in(str(e))) from None

@@ -29,6 +29,7 @@ from tokenmill.frontend.server.serving import (
     chat_message,
     whole_response,
 )
+from tokenmill.frontend.server.serving_models import OpenAIServingModels
 from tokenmill.frontend.server.tool_choice import (
     check_schema,
     check_tools,
@@ -52,7 +53,7 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         engine: Any,
-        model_name: str,
+        models: OpenAIServingModels,
         trust_request_chat_template: bool = False,
         chat_template: str | None = None,
         enable_auto_tools: bool = False,
@@ -60,14 +61,14 @@ class OpenAIServingChat(OpenAIServing):
     ) -> None:
         """enable_auto_tools and tool_parser_name: what serves tool_choice "auto" (both
         needed, as in vLLM)."""
-        super().__init__(engine, model_name, trust_request_chat_template, chat_template)
+        super().__init__(engine, models, trust_request_chat_template, chat_template)
         self.tool_parser: ToolParser | None = None
         if tool_parser_name is not None:
             self.tool_parser = tool_parser(tool_parser_name)
         self.enable_auto_tools = enable_auto_tools
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
-        self.check_model(body.model)
+        lora_request, model_name = self.resolve_model(body.model)
         self.check_supported(body)
         continuous_usage = self.check_stream_options(body)
         tool_choice = check_tools(body.tools, body.tool_choice)
@@ -113,10 +114,10 @@ class OpenAIServingChat(OpenAIServing):
         if body.echo and messages and messages[-1]["role"] == role:
             echoed = messages[-1]["content"]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        head = {"id": request_id, "created": int(time.time()), "model": model_name}
         if body.use_beam_search:  # the n best beams as the n choices
             search, result = await self.beam_search(
-                raw, prompt, self.beam_params(body, max_tokens), request_id
+                raw, prompt, self.beam_params(body, max_tokens), request_id, lora_request
             )
             choices = []
             for k, beam in enumerate(result.sequences):
@@ -146,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
             constraint=("tool_choice", {"json": schema}) if schema is not None else None,
             skip_special_tokens=False if keep_special else None,
         )
-        prepared = await self._prepare([prompt], params, request_id, body.priority)
+        prepared = await self._prepare([prompt], params, request_id, body.priority, lora_request)
         if body.stream:
             return self._stream(
                 raw,

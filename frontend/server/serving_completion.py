@@ -21,11 +21,12 @@ from tokenmill.frontend.server.serving import (
     _usage,
     whole_response,
 )
+from tokenmill.protocol.lora import LoRARequest
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def completions(self, body: CompletionRequest, raw: Request) -> Any:
-        self.check_model(body.model)
+        lora_request, model_name = self.resolve_model(body.model)
         self.check_supported(body)
         continuous_usage = self.check_stream_options(body)
         if body.best_of not in (None, 1, body.n):
@@ -49,11 +50,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 else max(body.logprobs, prompt_logprobs or 0)
             )  # fmt: skip
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        head = {"id": request_id, "created": int(time.time()), "model": model_name}
         if body.use_beam_search:
-            return await self._beam_completions(body, raw, prompts, head)
+            return await self._beam_completions(body, raw, prompts, head, lora_request)
         params = self.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
-        prepared = await self._prepare(prompts, params, request_id, body.priority)
+        prepared = await self._prepare(prompts, params, request_id, body.priority, lora_request)
         if body.stream:
             return self._stream(
                 raw,
@@ -94,13 +95,20 @@ class OpenAIServingCompletion(OpenAIServing):
         return whole_response(head, "text_completion", choices, usage)
 
     async def _beam_completions(
-        self, body: CompletionRequest, raw: Request, prompts: list, head: dict[str, Any]
+        self,
+        body: CompletionRequest,
+        raw: Request,
+        prompts: list,
+        head: dict[str, Any],
+        lora_request: LoRARequest | None,
     ) -> dict[str, Any]:
         """use_beam_search: the n best beams of each prompt as its n choices."""
         params = self.beam_params(body, body.max_tokens)
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, prompt in enumerate(prompts):
-            search, result = await self.beam_search(raw, prompt, params, f"{head['id']}-{i}")
+            search, result = await self.beam_search(
+                raw, prompt, params, f"{head['id']}-{i}", lora_request
+            )
             prompt_tokens += search.prompt_len
             for k, beam in enumerate(result.sequences):
                 completion_tokens += len(beam.tokens) - search.prompt_len

@@ -26,6 +26,7 @@ from tokenmill.frontend.server.serving import (
     _message_dict,
     until_disconnect,
 )
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import PoolingParams
 
 EmbeddingRequest = EmbeddingCompletionRequest | EmbeddingChatRequest
@@ -33,7 +34,7 @@ EmbeddingRequest = EmbeddingCompletionRequest | EmbeddingChatRequest
 
 class OpenAIServingEmbedding(OpenAIServing):
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
-        self.check_model(body.model)
+        lora_request, model_name = self.resolve_model(body.model)
         prompts = await self._prompts(body)
         prompts = [self.truncated(p, body.truncate_prompt_tokens) for p in prompts]
         field = "messages" if isinstance(body, EmbeddingChatRequest) else "input"
@@ -41,7 +42,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             self.check_length(len(prompt["prompt_token_ids"]), None, prompt=field)
         params = self._pooling_params(body)
         request_id = f"embd-{uuid.uuid4().hex}"
-        outputs = await self._run(raw, prompts, params, request_id, body.priority)
+        outputs = await self._run(raw, prompts, params, request_id, body.priority, lora_request)
         data = [
             {"index": i, "object": "embedding", "embedding": _encoded(out, body.encoding_format)}
             for i, out in enumerate(outputs)
@@ -51,7 +52,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             "id": request_id,
             "object": "list",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": model_name,
             "data": data,
             "usage": {
                 "prompt_tokens": prompt_tokens,
@@ -90,9 +91,10 @@ class OpenAIServingEmbedding(OpenAIServing):
         params: PoolingParams,
         request_id: str,
         priority: int,
+        lora_request: LoRARequest | None,
     ) -> list[PoolingRequestOutput]:
         """Every prompt's pooled output, in order; all checked before any is sent."""
-        requests = await self._prepare(prompts, params, request_id, priority)
+        requests = await self._prepare(prompts, params, request_id, priority, lora_request)
 
         async def last(request: Any) -> PoolingRequestOutput:
             final = None

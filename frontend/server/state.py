@@ -1,8 +1,9 @@
-"""What every route of the server shares: the engine, the served model's names and the two
-OpenAI servings, in one `ServerState` that build_app (server/app.py) puts on
-`app.state.server`. Routes (server/routes/) take it as a `State` parameter; nothing in it
-changes after the app is built. A pooling model is served by `embedding`; a generating one
-by `completion` and `chat` (/tokenize reads those for either).
+"""What every route of the server shares: the engine, the served models (the base model and
+its LoRA adapters) and the OpenAI servings, in one `ServerState` that build_app
+(server/app.py) puts on `app.state.server`. Routes (server/routes/) take it as a `State`
+parameter; what it holds is fixed when the app is built, but for the adapters in `models`,
+which /v1/load_lora_adapter and /v1/unload_lora_adapter change. A pooling model is served by
+`embedding`; a generating one by `completion` and `chat` (/tokenize reads those for either).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from tokenmill.frontend.metrics import PrometheusStatLogger
 from tokenmill.frontend.server.serving_chat import OpenAIServingChat
 from tokenmill.frontend.server.serving_completion import OpenAIServingCompletion
 from tokenmill.frontend.server.serving_embedding import OpenAIServingEmbedding
+from tokenmill.frontend.server.serving_models import OpenAIServingModels
 
 
 @dataclass(frozen=True)
 class ServerState:
     engine: AsyncLLM
-    model_name: str  # the model's name in the API
-    root: str  # what /v1/models reports as the model's root (never a path on this machine)
+    models: OpenAIServingModels  # the names a request's `model` may give
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
     embedding: OpenAIServingEmbedding | None  # a pooling model's (and then no chat, no completions)

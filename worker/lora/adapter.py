@@ -47,8 +47,13 @@ def read_adapter_config(path: str, max_lora_rank: int) -> dict:
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{path} is not a PEFT adapter folder (no adapter_config.json)")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not LoRA")
     refused = {

@@ -1,5 +1,6 @@
-"""Routes about the served model: /v1/models (its names and max_model_len) and /tokenize and
-/detokenize (its tokenizer, with the chat template for messages).
+"""Routes about the served model: /v1/models (its name and max_model_len, then its LoRA
+adapters: serving_models.py) and /tokenize and /detokenize (its tokenizer, with the chat
+template for messages; an adapter shares the base model's).
 
 Included by build_app (server/app.py). Tokenizer work runs on AsyncLLM's tokenizer thread; a
 request naming another model, or a bad prompt or token id, raises ServingError (a 400 or 404).
@@ -21,26 +22,13 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(state: State) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": int(state.started),
-                "owned_by": "tokenmill",
-                "root": state.root,
-                "parent": None,
-                "max_model_len": state.engine.model_config.max_model_len,
-            }
-        ],
-    }
+    return {"object": "list", "data": state.models.model_cards(int(state.started))}
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
     engine = state.engine
-    state.completion.check_model(body.model)
+    state.models.resolve(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ServingError("give either prompt or messages", 400, "prompt")
     if body.messages is not None:
@@ -73,7 +61,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, str]:
-    state.completion.check_model(body.model)
+    state.models.resolve(body.model)
     vocab = state.engine.model_config.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
