@@ -17,6 +17,7 @@ from tokenmill.protocol.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from tokenmill.protocol.lora import LoRAConfig, LoRARequest
 from tokenmill.protocol.messages import (
     EngineCoreRequest,
     FinishReason,
@@ -37,6 +38,7 @@ def make_scheduler(
     max_len=256,
     caching=False,
     policy="fcfs",
+    max_loras=0,
 ):
     model = ModelConfig(
         model="fake",
@@ -67,6 +69,7 @@ def make_scheduler(
         parallel_config=ParallelConfig(),
         device_config=DeviceConfig(),
         load_config=LoadConfig(),
+        lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None,
     )
     return Scheduler(config, num_blocks)
 
@@ -80,6 +83,7 @@ def add(
     prompt: list[int] | None = None,
     priority: int = 0,
     arrival: float = 0.0,
+    lora: LoRARequest | None = None,
     **params,
 ) -> Request:
     params.setdefault("max_tokens", 100)
@@ -91,6 +95,7 @@ def add(
             eos_token_ids=[EOS],
             arrival_time=arrival,
             priority=priority,
+            lora_request=lora,
         ),
         scheduler.max_model_len,
     )
@@ -439,3 +444,25 @@ def test_async_order_prompt_logprobs_of_a_request_preempted_in_flight() -> None:
     outputs = s.update_from_output(out1, run1).outputs
     assert [o.request_id for o in outputs] == [x.request_id]
     assert a.prompt_logprob_parts == [] and not a.prompt_logprobs_sent
+
+
+def test_a_step_runs_at_most_max_loras_adapters() -> None:
+    """With one adapter slot, a waiting request of another adapter is held back (in its
+    place in the queue, behind no one it overtook) until the running adapter's requests end;
+    base-model requests and more requests of the running adapter pass it."""
+    scheduler = make_scheduler(budget=64, max_loras=1)
+    one, two = LoRARequest("one", 1, "/a"), LoRARequest("two", 2, "/b")
+    a = add(scheduler, 4, lora=one)
+    b = add(scheduler, 4, lora=two)
+    c = add(scheduler, 4, lora=one)
+    d = add(scheduler, 4)
+    out = scheduler.schedule()
+    assert set(out.num_scheduled_tokens) == {a.request_id, c.request_id, d.request_id}
+    assert [r.lora_request for r in out.scheduled_new_reqs] == [one, one, None]
+    assert [r.request_id for r in scheduler.waiting] == [b.request_id]
+    assert scheduler.lora_counts() == ({"one": 2}, {"two": 1})
+    scheduler.update_from_output(out, fake_run(scheduler, out))
+    scheduler.finish_requests([a.request_id, c.request_id], RequestStatus.FINISHED_ABORTED)
+    out = scheduler.schedule()
+    assert b.request_id in out.num_scheduled_tokens
+    assert scheduler.running_adapters() == {2}
