@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tokenmill.protocol import envs
 from tokenmill.protocol.default_model import resolve_model
 from tokenmill.protocol.device_defaults import DeviceDefaults, device_defaults, has_triton
 from tokenmill.protocol.lora import LoRAConfig
@@ -426,6 +427,7 @@ class EngineConfig:
     load_config: LoadConfig
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None  # None: LoRA off
+    batch_invariant: bool = False  # see kernels/batch_invariant.py
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         model_config = dataclasses.replace(self.model_config, max_model_len=max_model_len)
@@ -490,6 +492,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # A request's logits independent of its batch (kernels/batch_invariant.py); None: the
+    # TOKENMILL_BATCH_INVARIANT variable's setting.
+    batch_invariant: bool | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -518,6 +523,13 @@ class EngineArgs:
             self.load_format,
             '"auto" or "dummy"',
         )
+        device_config = _device_config(self, defaults, pooling)
+        invariant = _batch_invariant(self)
+        if invariant and device_config.attention_backend == "TORCH_SDPA":
+            raise ValueError(
+                "batch_invariant=True needs attention_backend CPU_ATTN (tokenmill's CPU "
+                "kernels) or TRITON_ATTN; TORCH_SDPA's attention is not batch-invariant"
+            )
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -538,11 +550,18 @@ class EngineArgs:
                 async_scheduling=_async_scheduling(self, defaults, pooling),
             ),
             parallel_config=_parallel_config(self, model_config),
-            device_config=_device_config(self, defaults, pooling),
+            device_config=device_config,
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
             speculative_config=_speculative_config(self, model_config, defaults),
             lora_config=_lora_config(self),
+            batch_invariant=invariant,
         )
+
+
+def _batch_invariant(args: EngineArgs) -> bool:
+    if args.batch_invariant is not None:
+        return args.batch_invariant
+    return envs.TOKENMILL_BATCH_INVARIANT
 
 
 def _lora_config(args: EngineArgs) -> LoRAConfig | None:
@@ -1032,6 +1051,8 @@ ENGINE_ARG_HELP = {
     "max_loras": "LoRA adapters in device slots: the most distinct adapters one step runs",
     "max_lora_rank": "the LoRA slots' rank; an adapter of a higher rank is refused",
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
+    "batch_invariant": "every request's logits the same bits whatever runs beside it (fixed "
+    "reduction orders in every kernel; default: TOKENMILL_BATCH_INVARIANT)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", '
     '"num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "draft_model", '
     '"model": FOLDER, "num_speculative_tokens": 3}',

@@ -85,6 +85,9 @@ _REGISTRY: dict[str, Callable[[], Any]] = {
     # 0 runs a decode step's Llama layers one op at a time from Python, as the other steps;
     # by default they run as one call of the CPU kernels (worker/models/cpu_decode.py).
     "TOKENMILL_CPU_DECODE_LOOP": _bool("TOKENMILL_CPU_DECODE_LOOP", True),
+    # The batch-invariant mode for engines whose batch_invariant argument is left unset
+    # (vLLM's VLLM_BATCH_INVARIANT): see kernels/batch_invariant.py.
+    "TOKENMILL_BATCH_INVARIANT": _bool("TOKENMILL_BATCH_INVARIANT", False),
     # Ray: the logical CPUs each worker actor (and each data-parallel engine-core actor)
     # reserves; Ray also sets the actor's thread count (OMP_NUM_THREADS) to it.
     "TOKENMILL_RAY_WORKER_CPUS": _float("TOKENMILL_RAY_WORKER_CPUS", 1.0),

@@ -53,6 +53,9 @@ every request ignores EOS).
 `--lora 0 1 4` runs one engine per count: 0 is the base model without LoRA, N > 0 an engine
 with enable_lora (max_loras N) whose requests are spread round-robin over N random adapters
 of `--lora-rank` (PEFT folders written once, on every q/k/v/o and gate/up/down projection).
+
+`--batch-invariant off on` runs one engine per setting: on, every kernel reduces a row in an
+order fixed by that row alone (batch_invariant=True), which is what the mode costs.
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ def start_tokenmill(
     kv_cache_dtype: str = "auto",
     gpu_share: float = 0.9,
     loras: int = 0,
+    invariant: str = "off",
 ):
     start = time.perf_counter()
     from tokenmill import LLM, SamplingParams
@@ -165,6 +169,7 @@ def start_tokenmill(
         kv_cache_dtype=kv_cache_dtype,
         gpu_memory_utilization=gpu_share,
         skip_tokenizer_init=True,  # token-id prompts; nothing to detokenize
+        batch_invariant=invariant == "on",
         **lora_args,
     )
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -365,6 +370,13 @@ def main() -> None:
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank")
     parser.add_argument(
+        "--batch-invariant",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="one tokenmill engine per setting given (batch_invariant=True for on)",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="alternating runs per engine; the best is reported"
     )
     parser.add_argument(
@@ -415,11 +427,11 @@ def main() -> None:
     sizes = args.tensor_parallel_size
     overlaps = args.async_scheduling
     quants, caches = args.quantization, args.kv_cache_dtype
-    loras = args.lora
+    loras, invariants = args.lora, args.batch_invariant
     engines_spec = [
-        (mode, tp, a, d, q, c, n)
+        (mode, tp, a, d, q, c, n, bi)
         for mode in modes for tp in sizes for a in overlaps for d in dtypes for q in quants
-        for c in caches for n in loras
+        for c in caches for n in loras for bi in invariants
     ]  # fmt: skip
     adapters: list[str] = []
     if max(loras):
@@ -437,9 +449,10 @@ def main() -> None:
             + ([q] if len(quants) > 1 or q != "none" else [])
             + ([f"kv {c}"] if len(caches) > 1 or c != "auto" else [])
             + ([f"{n} LoRA" if n else "no LoRA"] if len(loras) > 1 or n else [])
+            + ([f"invariant {bi}"] if len(invariants) > 1 or bi == "on" else [])
         )
         + ")"
-        for mode, tp, a, d, q, c, n in engines_spec
+        for mode, tp, a, d, q, c, n, bi in engines_spec
     ]
     # Engines start one at a time, so that each start-up is measured alone.
     startup: dict[str, float] = {}
@@ -447,9 +460,9 @@ def main() -> None:
     # The engines are alive together: on a GPU each takes an equal share of its memory (and
     # room is left for HF).
     gpu_share = 0.8 / len(engines_spec)
-    for (mode, tp, a, d, q, c, n), name in zip(engines_spec, names):
+    for (mode, tp, a, d, q, c, n, bi), name in zip(engines_spec, names):
         llm, startup[name] = start_tokenmill(
-            args, workload, mode == "mp", tp, a, d, q, c, gpu_share, n
+            args, workload, mode == "mp", tp, a, d, q, c, gpu_share, n, bi
         )
         engines.append(llm)
     peers = start_peers(args, workload, model_path, dtype, device, threads)
@@ -466,7 +479,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for llm, name, spec in zip(engines, names, engines_spec):
                 before = llm.get_stats()
-                times[name].append(run_tokenmill(llm, workload, adapters[: spec[-1]]))
+                times[name].append(run_tokenmill(llm, workload, adapters[: spec[6]]))
                 if args.step_times:
                     splits[name] = step_split(before, llm.get_stats())
             for peer, (engine_proc, _) in peers.items():

@@ -24,16 +24,23 @@
 #      the target's shape with the same dummy weights, so nearly every proposal is accepted);
 #   lora: the Triton shrink/expand against the torch reference on the GPU, the engine's mixed
 #      adapters against HF+peft (needs peft: carry its wheel in .whl/), then W1 on the
-#      Qwen3-0.6B shape with dummy weights without LoRA, and over 1 and 4 rank-16 adapters.
+#      Qwen3-0.6B shape with dummy weights without LoRA, and over 1 and 4 rank-16 adapters;
+#   invariance: the batch-invariant mode on CUDA: the Triton matmul (kernels/matmul.py) against
+#      its reference and a row's bits alone and in batches of 2-100 rows; the Triton path's
+#      logits as bits alone, beside others, chunked, after a prefix hit and as verified n-gram
+#      proposals, and each prefill token's attention as a decode's (fp32 and bf16); then the
+#      mode's engine tests (tests/models/test_batch_invariance.py, fp32: its bf16 cases are the
+#      CPU kernels').
 # `scripts/gpu_check.sh` runs them all, in that order; `scripts/gpu_check.sh tests moe` runs
-# those named. The steps' time limits (300, 240, 150, 360, 390, 400, 420 s) add up to more than
-# one 10-minute device call: `tests moe` fit one, `steps w1` another, `quant` and `spec` one
-# each (a 15-minute lease, its start included, has room for about two).
+# those named. The steps' time limits (300, 240, 150, 360, 390, 400, 420, 500 s) add up to
+# more than one 10-minute device call: `tests moe` fit one, `steps w1` another, `quant`,
+# `spec` and `invariance` one each (a 15-minute lease, its start included, has room for about
+# two).
 # Logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-ALL_STEPS="tests moe steps w1 quant spec lora"
+ALL_STEPS="tests moe steps w1 quant spec lora invariance"
 STEPS=${*:-$ALL_STEPS}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 for step in $STEPS; do
@@ -128,6 +135,16 @@ if wants lora; then
   timeout 240 python3 scripts/bench_throughput.py --model scripts/configs/qwen3-0.6b \
     --load-format dummy --workload W1 --lora 0 1 4 2>&1 | grep -v Warning \
     | tee "$OUT/bench_lora_w1.log" | tail -12
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if wants invariance; then
+  echo "== batch-invariant mode on CUDA: the Triton matmul, the Triton path's logits as bits"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton_matmul.py \
+    tests/models/test_batch_invariance_triton.py 2>&1 | tee "$OUT/pytest_invariance.log" | tail -12
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/models/test_batch_invariance.py \
+    -k "not bfloat16" 2>&1 | tee "$OUT/pytest_invariance_engine.log" | tail -12
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

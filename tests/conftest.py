@@ -202,3 +202,14 @@ def smollm2_llm(smollm2_path: str):
     llm = LLM(smollm2_path, max_model_len=1024, kv_cache_memory_bytes=256 << 20, dtype="float32")
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _batch_invariant_mode_off():
+    """An in-process engine with batch_invariant=True turns the process-wide switch on
+    (kernels/batch_invariant.py); no test after it inherits the mode."""
+    yield
+    from tokenmill.kernels.batch_invariant import batch_invariant, set_batch_invariant
+
+    if batch_invariant():
+        set_batch_invariant(False)

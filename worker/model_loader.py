@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tokenmill.kernels.batch_invariant import batch_invariant
 from tokenmill.protocol.config import EngineConfig
 from tokenmill.protocol.device_defaults import has_triton
 from tokenmill.worker.attention.base import AttentionBackend
@@ -66,6 +67,13 @@ def get_model(config: EngineConfig, device: torch.device, backend: AttentionBack
     # Which kernels quantized layers run on: the CPU kernels, Triton's (CUDA), or neither
     # (their weights de-quantized, int8's in torch).
     kernels = dict(kernels_in_use=platform_of(device).cpu_kernels(), triton=_triton_matmuls(device))
+    if batch_invariant() and model_config.quantization is not None and kernels["triton"]:
+        # (Their tiles follow the row count: kernels/quantized.py's _block_m.)
+        raise ValueError(
+            f"batch_invariant=True has no batch-invariant Triton matmul for quantization="
+            f"{model_config.quantization!r} on {device.type}: run the unquantized checkpoint, "
+            f"or leave batch_invariant off"
+        )
     folder = Path(model_config.model)
     if config.load_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)

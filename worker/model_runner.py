@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
+from tokenmill.kernels.batch_invariant import set_batch_invariant
 from tokenmill.kernels.punica import LoRAMapping
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig
@@ -87,6 +88,13 @@ class ModelRunner:
         self.cache_dtype = cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
         self.use_triton = config.device_config.attention_backend == "TRITON_ATTN"
+        # Before anything is built: the kernels read the mode (kernels/batch_invariant.py).
+        set_batch_invariant(config.batch_invariant)
+        if config.batch_invariant and not self.use_triton and not self.platform.cpu_kernels():
+            logger.warning(
+                "batch_invariant=True without tokenmill's CPU kernels (or Triton): the torch "
+                "path runs, whose results still depend on the batch"
+            )
         self.attn_backend = make_attention_backend(config, device)
         self.model: torch.nn.Module | None = None
         self.long_rope: LongRope | None = None  # set once the model is loaded

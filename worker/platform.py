@@ -179,8 +179,13 @@ class CpuPlatform(Platform):
         release_freed_memory()
 
     def prepare_model(self, model: torch.nn.Module) -> None:
+        from tokenmill.kernels.batch_invariant import batch_invariant
         from tokenmill.worker.layers.embedding import ParallelLMHead
-        from tokenmill.worker.layers.linear import LinearBase, pack_cpu_weights
+        from tokenmill.worker.layers.linear import (
+            LinearBase,
+            keep_for_triton_matmul,
+            pack_cpu_weights,
+        )
 
         # (Quantized layers have their own layout: worker/layers/quantization/.)
         matmuls = [
@@ -188,6 +193,12 @@ class CpuPlatform(Platform):
             for m in model.modules()
             if isinstance(m, (LinearBase, ParallelLMHead)) and getattr(m, "qweight", None) is None
         ]
+        # A model built with Triton's layers (the TRITON_ATTN backend: ModelRunner.layer_kernels)
+        # runs kernels/matmul.py in the batch-invariant mode, on plain weights.
+        if batch_invariant() and any(getattr(m, "use_triton", False) for m in model.modules()):
+            keep_for_triton_matmul(matmuls)
+            logger.info("batch-invariant mode: %d matmuls on Triton's kernel", len(matmuls))
+            return
         own = cpu_kernels_in_use()
         packed, widened = pack_cpu_weights(matmuls, own)
         if packed < len(matmuls):

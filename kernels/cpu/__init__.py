@@ -7,8 +7,9 @@ and returns False (no compiler, a failed build): the caller then runs the torch 
 layers' `forward_native`, the TORCH_SDPA backend, kernels/reference.py), which is also each
 op's reference in the tests. The worker's platform calls it, unless TOKENMILL_CPU_KERNELS=0;
 `make` builds it at set-up (scripts/build_cpu_kernels.py). Each C++ file in csrc/ holds one
-op (registration.cpp declares them all) and chooses its inner loops by the CPU's instruction
-set at run time (csrc/isa.cpp, vec.h), so one build serves AVX2, AVX-512 and AMX machines.
+op (registration.cpp declares them, batch_invariant.cpp its switch) and chooses its inner
+loops by the CPU's instruction set at run time (csrc/isa.cpp, vec.h), so one build serves
+AVX2, AVX-512 and AMX machines.
 The Python modules beside this one (linear.py, layers.py, attention.py) are the ops' calls.
 """
 
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tokenmill.kernels.batch_invariant import batch_invariant
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ def load(cache_dir: Path) -> bool:
             torch.ops.load_library(str(library))
         else:
             _build(folder)
+        # The runner may have set the batch-invariant mode before the library was in.
+        torch.ops.tokenmill.set_batch_invariant(batch_invariant())
         _LOADED = True
     except Exception as e:  # no compiler, a failed build: the torch path runs instead
         logger.warning("tokenmill's CPU kernels are not in use (%s); the torch path runs", e)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill.kernels.batch_invariant import batch_invariant
 from tokenmill.kernels.cpu.attention import decode_attention, kv_cache_write, prefill_attention
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 from tokenmill.worker.attention.torch_backend import PrefillSpan, attend_prefills, prefill_layout
@@ -47,6 +48,8 @@ class CpuAttentionBackend(AttentionBackend):
                 PrefillSpan(start, end, seq_len, None if ids is None else torch.from_numpy(2 * ids))
                 for start, end, seq_len, ids in prefill_layout(inputs)
             ]
+        if batch_invariant() and profile_prefills is None:
+            return self._per_token_metadata(inputs)
         starts = np.zeros(len(inputs.query_lens) - nd + 1, dtype=np.int64)
         np.cumsum(inputs.query_lens[nd:], out=starts[1:])
         return CpuAttentionMetadata(
@@ -57,6 +60,25 @@ class CpuAttentionBackend(AttentionBackend):
             torch.from_numpy(starts),
             torch.from_numpy(inputs.seq_lens[nd:].astype(np.int64)),
             profile_prefills,
+        )
+
+    @staticmethod
+    def _per_token_metadata(inputs: StepAttentionInputs) -> CpuAttentionMetadata:
+        """Batch-invariant mode: every query token attends as a decode of its own (its
+        request's block table, its own context length), so that a position's attention is
+        the same sums in the same order whether it is decoded, prefilled, recomputed after a
+        preemption or verified as a proposal."""
+        lens = inputs.query_lens
+        first = np.repeat(inputs.seq_lens - lens, lens)  # each token's request's start
+        within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        return CpuAttentionMetadata(
+            torch.from_numpy(inputs.slot_mapping.astype(np.int64)),
+            torch.from_numpy(np.repeat(inputs.block_table, lens, axis=0)),
+            torch.from_numpy((first + within + 1).astype(np.int64)),
+            torch.zeros((0, inputs.block_table.shape[1]), dtype=torch.int64),
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(0, dtype=torch.int64),
+            None,
         )
 
     def forward(

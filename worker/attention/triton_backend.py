@@ -9,6 +9,15 @@ programs (flash-decoding) and the parts are merged. Prefill chunks are tiles of
 `prefill_block_q` tokens. In each layer `forward` writes the new K/V into the cache, then
 launches the decode tiles and the prefill tiles.
 
+In the batch-invariant mode (kernels/batch_invariant.py) every query token is computed as a
+decode is: prefill tiles of one token (the whole step's K/V is in the cache before attention,
+so a prefill token can attend alone over its causal context) and no split. A token's keys are
+then walked BLOCK_N at a time from 0 to its own position by the same compiled kernel, whether
+it is a decode, a prefill chunk's token, a recomputed one or a verified proposal. A split by
+the token's own context length would be invariant too, but a CUDA graph fixes its splits per
+batch size for any context length, and prefill tiles would need the split buffers as well;
+one part keeps both simple, for the price of flash-decoding's parallelism on few long decodes.
+
 For CUDA graphs the same metadata is made of views of persistent buffers (`DecodeGraphs` in
 worker/cuda_graph.py): a captured decode step reads whatever they hold when it is replayed.
 """
@@ -21,6 +30,7 @@ import numpy as np
 import torch
 
 from tokenmill.kernels.attention import paged_attention, reshape_and_cache, split_scratch_for
+from tokenmill.kernels.batch_invariant import batch_invariant
 from tokenmill.protocol.utils import cdiv
 from tokenmill.worker.attention.base import AttentionBackend, StepAttentionInputs
 from tokenmill.worker.staging import HostStaging
@@ -64,7 +74,8 @@ class TritonAttentionBackend(AttentionBackend):
         """Heads are this rank's. min_split_tokens, max_splits: see above (tests set a small
         min_split_tokens so that short contexts split too). prefill_block_q: query tokens per
         prefill tile (default: 64 rows of (token, head); 32 in fp32 on a GPU, whose IEEE
-        dots have no tensor cores and need the shared memory)."""
+        dots have no tensor cores and need the shared memory; 1 in the batch-invariant
+        mode, read when the backend is made)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -78,12 +89,15 @@ class TritonAttentionBackend(AttentionBackend):
         group_pad = 1 << (num_heads // num_kv_heads - 1).bit_length()
         rows = 32 if dtype == torch.float32 and device.type == "cuda" else 64
         self.prefill_block_q = prefill_block_q or max(1, rows // group_pad)
+        self.invariant = batch_invariant()
+        if self.invariant:
+            self.prefill_block_q = 1  # a decode's tile
         self.staging = HostStaging(device)
 
     def decode_splits(self, num_decodes: int, max_seq_len: int | None) -> int:
         """How many parts each decode's context is cut into (max_seq_len None: unknown, as
         when a CUDA graph is captured for any context length)."""
-        if num_decodes == 0:
+        if num_decodes == 0 or self.invariant:
             return 1
         splits = cdiv(self.target_programs, num_decodes * self.num_kv_heads)
         if max_seq_len is not None:

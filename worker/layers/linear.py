@@ -10,7 +10,9 @@ rank's shard before anything is read.
 
 On the CPU the model loader then re-lays every matmul weight out once (`pack_cpu_weights`):
 for tokenmill's own CPU kernels (kernels/cpu/linear.py), else for oneDNN's prepacked GEMM;
-`matmul` runs whichever the weight's layout says.
+`matmul` runs whichever the weight's layout says. In the batch-invariant mode on the Triton
+path (CUDA, or a CPU model built with Triton's layers) weights stay plain and `matmul` runs
+kernels/matmul.py, whose tiles do not depend on the row count.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.batch_invariant import batch_invariant
 from tokenmill.worker.forward_context import current_lora_mapping
 from tokenmill.worker.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 
@@ -48,9 +51,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T (+ bias), for a plain weight or one packed by `pack_cpu_weights`. A 16-bit
     x with a weight widened to fp32 is multiplied in fp32 and the product rounded back to x's
     dtype: bf16 x bf16 products are exact in fp32, so this is a bf16 GEMM with fp32
-    accumulation (oneDNN's and HF's), at the speed of the fp32 one."""
+    accumulation (oneDNN's and HF's), at the speed of the fp32 one. In the batch-invariant
+    mode a weight on the Triton path (on CUDA, or marked by `keep_for_triton_matmul`) runs
+    kernels/matmul.py: cuBLAS, oneDNN and MKL choose their blocking by the row count."""
     if weight.dtype != x.dtype:
         return matmul(x.to(weight.dtype), weight, bias).to(x.dtype)
+    if batch_invariant() and (weight.is_cuda or getattr(weight, "triton_matmul", False)):
+        from tokenmill.kernels.matmul import matmul as invariant_matmul
+
+        return invariant_matmul(x, weight, bias)
     if weight.dim() > 2 and not weight.is_mkldnn:
         from tokenmill.kernels.cpu.linear import linear
 
@@ -114,6 +123,15 @@ def pack_cpu_weights(modules: list[nn.Module], own_kernels: bool = False) -> tup
             packed += 1
         module.weight = nn.Parameter(weight if blocked is None else blocked, requires_grad=False)
     return packed, widened
+
+
+def keep_for_triton_matmul(modules: list[nn.Module]) -> None:
+    """Leaves these CPU matmul layers' weights plain [N, K], marked for kernels/matmul.py: the
+    batch-invariant mode on the Triton path, instead of `pack_cpu_weights` (oneDNN's prepacked
+    GEMM picks its kernel by the row count). bf16 weights stay bf16: the Triton kernel
+    multiplies them with fp32 accumulation, as a widened weight would be."""
+    for module in modules:
+        module.weight.triton_matmul = True  # type: ignore[attr-defined]
 
 
 def _widened(module: nn.Module) -> torch.Tensor:

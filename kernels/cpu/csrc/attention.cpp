@@ -10,7 +10,10 @@
 // lie together in memory, read once); each KV head's query heads (grouped-query attention)
 // share every key and value read, and scores go through an online softmax in fp32, 16 keys
 // at a time. Where there are too few requests to keep every thread busy the context is split
-// and the parts merged (flash-decoding); threads take the jobs longest first. Optional: a
+// and the parts merged (flash-decoding); threads take the jobs longest first. In the
+// batch-invariant mode (batch_invariant.h) the cuts are every kInvariantPart keys of a
+// request's context whatever the step holds, and every request, of one part or several, goes
+// through the same merge: its bits depend on its own context alone. Optional: a
 // sliding window (keys p - window < k <= p) and soft-capped scores (softcap * tanh(s /
 // softcap)), as Gemma 2. A head's softmax reference moves only when a score passes it by
 // kSlack. On CPUs with AVX512-BF16 a bf16 cache's dots run on bf16 pairs (vdpbf16ps: exact
@@ -28,9 +31,11 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
+#include "batch_invariant.h"
 #include "ops.h"
 #include "simd.h"
 #include "vec.h"
@@ -40,6 +45,13 @@ namespace {
 
 constexpr int64_t kKeysPerStep = 16;   // scores computed (and the max taken) per pass
 constexpr int64_t kMinKeysPerPart = 64;  // a context is not split finer than this
+// In the batch-invariant mode a context's parts are this many keys each (its last the rest).
+// The mode's cost against the step's own cuts on 2 AVX512-BF16 EPYC cores (bf16, 9 query
+// heads on 3 KV heads of 64), at 1 x 384 keys, 64 x ~200, 1 x 1000, 1 x 4000, 4 x 1000, 16 x
+// 500: 256: +14% (parts of 256 and 128 on 2 threads where the step cuts 192 and 192), 0, +1,
+// +8, +2, -1%; 128: +16, +3, +9, +14, +7, +5%; 512: +45% (one part, one thread), 0, -2, +4,
+// -2, 0%. Machines with more threads would want shorter parts for one long context.
+constexpr int64_t kInvariantPart = 256;
 // Values of all the parts up to which they are merged without a parallel region.
 constexpr int64_t kSerialMerge = 4096;
 constexpr int64_t kMaxGroup = 16;      // query heads per KV head
@@ -411,6 +423,49 @@ void write_rows(C* cache, const T* key, const T* value, int64_t stride, const in
   });
 }
 
+// A part of a request's context: keys [lo, hi) of request b (none where lo >= hi).
+struct Job {
+  int64_t b, lo, hi;
+};
+
+// A step's parts: request b's are list[start[b] : start[b + 1]], in the order of their keys.
+struct Jobs {
+  std::vector<int64_t> start;
+  std::vector<Job> list;
+};
+
+// Normally the step decides the cuts: enough parts that every thread has work, none shorter
+// than kMinKeysPerPart keys: a part per thread where the requests divide the threads evenly
+// (one request: a part each), else about two jobs per thread, which balance requests of
+// different lengths. In the batch-invariant mode the request alone does: every
+// kInvariantPart keys from its context's first (its window's first with a sliding window).
+Jobs plan_jobs(const int64_t* len, int64_t batch, int64_t window, int64_t threads,
+               bool invariant) {
+  int64_t parts = 0;
+  if (!invariant) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, len[b]);
+    parts = threads % batch == 0 ? threads / batch
+                                 : std::max<int64_t>(1, (2 * threads + batch - 1) / batch);
+    parts = std::min(parts, std::max<int64_t>(1, longest / kMinKeysPerPart));
+  }
+  Jobs jobs;
+  jobs.start.resize(batch + 1);
+  jobs.list.reserve(invariant ? batch : batch * parts);
+  for (int64_t b = 0; b < batch; ++b) {
+    jobs.start[b] = static_cast<int64_t>(jobs.list.size());
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len[b] - window) : 0;
+    const int64_t span = len[b] - first;
+    const int64_t count = invariant ? (span + kInvariantPart - 1) / kInvariantPart : parts;
+    const int64_t per = invariant ? kInvariantPart : (span + parts - 1) / parts;
+    for (int64_t p = 0; p < count; ++p) {
+      jobs.list.push_back({b, first + p * per, std::min(len[b], first + (p + 1) * per)});
+    }
+  }
+  jobs.start[batch] = static_cast<int64_t>(jobs.list.size());
+  return jobs;
+}
+
 }  // namespace
 
 template <typename T>
@@ -499,35 +554,29 @@ void decode_attention_rows(const void* query, int64_t q_stride, at::ScalarType q
   }
   const float score_scale = pairs ? static_cast<float>(scale) : 1.f;
 
-  // Enough parts that every thread has work, none shorter than kMinKeysPerPart keys: a part
-  // per thread where the requests divide the threads evenly (one request: a part each), else
-  // about two jobs per thread, which balance requests of different lengths.
-  int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, len[b]);
   const int64_t threads = at::get_num_threads();
-  const int64_t pairs_count = batch * kv_heads;
-  int64_t parts = threads % batch == 0 ? threads / batch
-                                       : std::max<int64_t>(1, (2 * threads + batch - 1) / batch);
-  parts = std::min(parts, std::max<int64_t>(1, longest / kMinKeysPerPart));
-  std::vector<float> acc(pairs_count * parts * group * d);
-  std::vector<Part> stats(pairs_count * parts);
+  const bool invariant = batch_invariant_mode();
+  const Jobs jobs = plan_jobs(len, batch, window, threads, invariant);
+  const int64_t job_count = static_cast<int64_t>(jobs.list.size());
+  std::vector<float> acc(job_count * kv_heads * group * d);
+  std::vector<Part> stats(job_count * kv_heads);
   const float cap = static_cast<float>(softcap);
   // A job is (request, part of its context) and goes through every KV head: the heads' rows
   // of a position sit side by side, so the context is read from memory once. Threads take the
   // jobs longest first, one at a time as they finish the one before (their lengths differ).
-  std::vector<int64_t> jobs(batch * parts);
-  for (int64_t j = 0; j < batch * parts; ++j) jobs[j] = j;
-  std::stable_sort(jobs.begin(), jobs.end(),
-                   [&](int64_t a, int64_t b) { return len[a / parts] > len[b / parts]; });
+  std::vector<int64_t> order(job_count);
+  std::iota(order.begin(), order.end(), int64_t(0));
+  const auto keys = [&](int64_t j) {
+    const Job& job = jobs.list[j];
+    return invariant ? job.hi - job.lo : len[job.b];
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return keys(a) > keys(b); });
   std::atomic<int64_t> next{0};
-  const int64_t job_count = batch * parts;
   at::parallel_for(0, std::min(threads, job_count), 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < job_count; i = next++) {
-      const int64_t job = jobs[i];
-      const int64_t b = job / parts, part = job % parts;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len[b] - window) : 0;
-      const int64_t span = len[b] - first, per = (span + parts - 1) / parts;
-      const int64_t lo = first + part * per, hi = std::min(len[b], lo + per);
+      const int64_t job = order[i];
+      const auto [b, lo, hi] = jobs.list[job];
       const int64_t* blocks = table + b * width;
       // The sums and stats of (request b, part, head h) at index job * kv_heads + h.
       float* job_acc = acc.data() + job * kv_heads * group * d;
@@ -575,14 +624,18 @@ void decode_attention_rows(const void* query, int64_t q_stride, at::ScalarType q
       }
     }
   });
-  // Merge the parts of each (request, KV head): rescale each to the largest max, add, divide
-  // (on this thread where that is less work than waking the others: one request's few parts).
-  const int64_t merge_grain = pairs_count * parts * group * d <= kSerialMerge ? pairs_count : 1;
+  // Merge the parts of each (request, KV head) in the order of their keys: rescale each to the
+  // largest max, add, divide (on this thread where that is less work than waking the others:
+  // one request's few parts). A request of one part takes this path too (its weight exp(0) is
+  // 1: its sums unchanged), so its bits do not depend on whether others were split.
+  const int64_t pairs_count = batch * kv_heads;
+  const int64_t merge_grain = job_count * kv_heads * group * d <= kSerialMerge ? pairs_count : 1;
   at::parallel_for(0, pairs_count, merge_grain, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(d);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / kv_heads, h = pair % kv_heads;
-      const auto at = [&](int64_t p) { return (b * parts + p) * kv_heads + h; };
+      const int64_t parts = jobs.start[b + 1] - jobs.start[b];
+      const auto at = [&](int64_t p) { return (jobs.start[b] + p) * kv_heads + h; };
       for (int64_t g = 0; g < group; ++g) {
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t p = 0; p < parts; ++p) top = std::max(top, stats[at(p)].max[g]);

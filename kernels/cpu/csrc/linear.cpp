@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "batch_invariant.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -188,8 +189,14 @@ struct Product {
   }
 
   int64_t row_blocks() const { return (m + kBlockM - 1) / kBlockM; }
-  // Up to kGemvRows rows on CPUs with AVX512-BF16: gemv_block, not the AMX microkernel.
-  bool gemv_rows() const { return vnni && m <= kGemvRows && cpu_isa() >= 2; }
+  // Up to kGemvRows rows on CPUs with AVX512-BF16: gemv_block, not the AMX microkernel. In
+  // the batch-invariant mode only where the microkernel is not AMX: without AMX, oneDNN's
+  // AVX512-BF16 kernel sums a row's pairs of k in gemv_block's order (the same bits at any
+  // row count: tests/unit/test_cpu_batch_invariance.py); AMX tiles sum in their own order.
+  bool gemv_rows() const {
+    const bool amx_invariant = cpu_isa() >= 3 && batch_invariant_mode();
+    return vnni && m <= kGemvRows && cpu_isa() >= 2 && !amx_invariant;
+  }
 
   // Rows [m0, m0 + kBlockM) of the product's column block nb, bias added, into dst (row
   // stride dst_stride, in the weight's dtype); `stream`: past the caches (bf16).
