@@ -2,8 +2,8 @@
 each row by its own adapter. Where the kernels are not loaded (TOKENMILL_CPU_KERNELS=0, no
 compiler), for other devices or dtypes, these run kernels/punica.py's torch ops, the
 kernels' reference; the arguments and results are the same either way. On 2 Zen 4 cores, bf16,
-a q/k/v layer's shrink and three expands at rank 16 take 29 us for one decode row (the torch
-ops 115 us) and 154 us for 300 prefill rows (1020 us); numbers in csrc/lora.cpp.
+a q/k/v layer's shrink and three expands at rank 16 take 23 us for one decode row (the torch
+ops 108 us) and 133 us for 300 prefill rows (670 us); numbers in csrc/lora.cpp.
 """
 
 from __future__ import annotations

@@ -2,11 +2,14 @@
 against the same engine on the torch path (TOKENMILL_CPU_KERNELS=0: oneDNN and TORCH_SDPA,
 also what a machine without a compiler runs): the same greedy tokens on SmolLM2 in fp32, where
 the kernels sum in another order; and the same with the kernels' AVX2 builds
-(TOKENMILL_CPU_ISA=avx2), as a CPU without AVX-512 runs them."""
+(TOKENMILL_CPU_ISA=avx2), as a CPU without AVX-512 runs them. Decode steps as one call
+(worker/models/cpu_decode.py) against the same steps layer by layer, with and without LoRA
+adapters."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import assert_same_greedy_tokens, smollm2_prompts
 
 from tokenmill import LLM, SamplingParams
@@ -102,6 +105,84 @@ def test_decode_steps_as_one_call_give_the_layer_by_layer_results_bit_for_bit(
     layered, planned = run()
     assert not planned
     assert len(looped) == len(layered) > 1
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(looped, layered):
+        assert tokens == want_tokens
+        for got, want in zip(logprobs, want_logprobs):
+            assert {t: lp.logprob for t, lp in got.items()} == {
+                t: lp.logprob for t, lp in want.items()
+            }
+
+
+def _write_adapter(folder, config: dict, rank: int, seed: int) -> str:
+    """A PEFT LoRA adapter folder on every projection of a Llama-shaped config, random A and B
+    (large enough to change the greedy tokens)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * (hidden // config["num_attention_heads"])
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (hidden, hidden), "gate_proj": (hidden, inter),
+              "up_proj": (hidden, inter), "down_proj": (inter, hidden)}  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, (k, n) in shapes.items():
+            kind = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{kind}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, k, generator=g) * k**-0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(n, rank, generator=g) * 0.05
+    folder.mkdir()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(shapes),
+    }))  # fmt: skip
+    return str(folder)
+
+
+def test_decode_steps_with_lora_as_one_call_give_the_layer_by_layer_results(
+    smollm2_path, tmp_path, monkeypatch
+):
+    """With adapters on (ranks 8 and 16 in slots of 16, beside requests of the base model) the
+    decode steps still run as one call, and give the layer-by-layer tokens and
+    log-probabilities exactly (SmolLM2, bf16)."""
+    import json
+    from pathlib import Path
+
+    from tokenmill import LoRARequest
+
+    if not cpu.load(envs.TOKENMILL_CACHE):
+        pytest.skip("the CPU kernels cannot be built here")
+    config = json.loads((Path(smollm2_path) / "config.json").read_text())
+    adapters = [
+        LoRARequest("r8", 1, _write_adapter(tmp_path / "r8", config, rank=8, seed=1)),
+        LoRARequest("r16", 2, _write_adapter(tmp_path / "r16", config, rank=16, seed=2)),
+    ]
+
+    def run() -> tuple[list, bool]:
+        llm = LLM(smollm2_path, dtype="bfloat16", multiprocess=False, max_model_len=512,
+                  kv_cache_memory_bytes=64 << 20, enable_lora=True, max_loras=2,
+                  max_lora_rank=16)  # fmt: skip
+        try:
+            prompts = smollm2_prompts(llm.get_tokenizer())[:6]
+            params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+            loras = [[None, *adapters][i % 3] for i in range(len(prompts))]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False, lora_request=loras)  # fmt: skip
+            runner = llm.llm_engine.client.engine_core.executor.worker.model_runner
+            plan = runner.model.model.decode_loop._plan
+            results = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+            return results, plan is not None and plan.lora_scales is not None
+        finally:
+            llm.shutdown()
+
+    looped, planned = run()
+    assert planned  # the adapters run inside the one call
+    monkeypatch.setenv("TOKENMILL_CPU_DECODE_LOOP", "0")
+    layered, planned = run()
+    assert not planned
+    assert looped[0][0] != looped[1][0] != looped[2][0]  # the adapters change the tokens
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(looped, layered):
         assert tokens == want_tokens
         for got, want in zip(logprobs, want_logprobs):

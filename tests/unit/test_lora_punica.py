@@ -242,3 +242,32 @@ def test_triton_kernels_equal_the_reference(tokens) -> None:
         torch.testing.assert_close(y.cpu(), want_y, rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tolerance, atol=tolerance)
         assert torch.equal(got.cpu()[slots < 0], base[slots < 0])
+
+
+@pytest.mark.parametrize("rank", [5, 20])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_kernels_take_ranks_and_widths_off_their_blocks(isa, rank, dtype) -> None:
+    """Ranks that are not a multiple of 16 and slices narrower than, or not a multiple of, the
+    expand's 64-column blocks (the AVX-512 build transposes B 16 x 16 values at a time)."""
+    g = torch.Generator().manual_seed(rank)
+    k, slices = 72, (40, 3000)
+    a = (torch.randn(SLOTS, len(slices) * rank, k, generator=g) / k**0.5).to(dtype)
+    bs = [torch.randn(SLOTS, n, rank, generator=g).to(dtype) for n in slices]
+    for tokens in (1, 23):
+        slots = _row_slots(tokens, seed=tokens)
+        mapping = LoRAMapping.of(slots, SLOTS)
+        x = torch.randn(tokens, k, generator=g).to(dtype)
+        y = cpu_lora.lora_shrink(x, a, mapping, SCALES)
+        want_y = punica.lora_shrink(x, a, mapping, SCALES)
+        _assert_sums_close(y, want_y, punica.lora_shrink(x.abs(), a.abs(), mapping, SCALES), k)
+        base = torch.randn(tokens, sum(slices), generator=g).to(dtype)
+        got, want, magnitude = base.clone(), base.clone(), base.float().abs()
+        offset = 0
+        for i, b in enumerate(bs):
+            y_slice = want_y[:, i * rank : (i + 1) * rank]
+            cpu_lora.lora_expand(y_slice, b, mapping, got, offset)
+            punica.lora_expand(y_slice, b, mapping, want, offset)
+            punica.lora_expand(y_slice.abs(), b.abs(), mapping, magnitude, offset)
+            offset += b.shape[1]
+        assert torch.equal(got[slots < 0], base[slots < 0])
+        _assert_sums_close(got, want, magnitude, rank + 1)

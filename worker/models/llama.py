@@ -182,9 +182,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.prepare(positions, x.dtype)
         # On the CPU kernels a decode step's layers run as one call (worker/models/cpu_decode.py).
-        # (Not yet with adapters: the call does not take LoRA operands.)
-        loop = x.device.type == "cpu" and current_lora_mapping() is None
-        done = self.decode_loop.run(self.layers, x, rope) if loop else None
+        done = self.decode_loop.run(self.layers, x, rope) if x.device.type == "cpu" else None
         if done is not None:
             x, residual = done
         else:

@@ -7,12 +7,15 @@
 // A task is a block of one slot's rows (and, in the expand, a block of output columns), so a
 // prefill chunk's rows of one adapter share each load of its weights; tasks split across the
 // engine's threads (at::parallel_for). On AVX-512 the loops are ours (bf16 dot products where
-// the CPU has them); the AVX2 and plain builds compile portable loops (vec.h).
+// the CPU has them); the AVX2 and plain builds compile portable loops (vec.h). A row's results
+// do not depend on the rows beside it. decode_layers runs the same work on raw rows
+// (lora_shrink_rows, lora_expand_rows), its arguments checked once a step.
 // Measured on 2 Zen 4 cores against punica.py's torch ops, bf16, SmolLM2-135M's q/k/v (576 ->
-// 576 + 192 + 192, three expands), rank 16, 8 slots: one decode row 7 against 28 us (shrink)
-// and 22 against 87 us (expands, mostly the ops' call overhead); 300 prefill rows of 2 adapters
-// 69 against 200 us and 85 against 823 us. The AVX2 build's shrink, one row's dot products at a
-// time, is 2-3x slower than torch's sgemm at 300 rows (faster at decode sizes).
+// 576 + 192 + 192, three expands), rank 16, 8 slots: one decode row 5 against 25 us (shrink)
+// and 18 against 83 us (expands, mostly the ops' call overhead); 64 decode rows over 4 slots
+// 17 against 178 us and 35 against 405 us; 300 prefill rows of 2 adapters 59 against 190 us
+// and 74 against 480 us. The AVX2 build's shrink, one row's dot products at a time, is 2-3x
+// slower than torch's sgemm at 300 rows (faster at decode sizes).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -240,12 +243,64 @@ TOKENMILL_AVX512_INLINE void expand_group_avx512(const float* const* ys, const f
   }
 }
 
+// v[0..15] (rows of 16 floats) transposed in place: v[j] lane i <- v[i] lane j.
+TOKENMILL_AVX512_INLINE void transpose16(__m512* v) {
+  // Pairs of rows interleaved, then fours: u[4 * g + q] holds, per 128-bit quarter L, element
+  // 4L + q of rows 4g .. 4g + 3.
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    const __m512* p = t + 4 * g;  // rows 4g, 4g + 1 (lo, hi), then 4g + 2, 4g + 3
+    u[4 * g + 0] = _mm512_shuffle_ps(p[0], p[2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * g + 1] = _mm512_shuffle_ps(p[0], p[2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * g + 2] = _mm512_shuffle_ps(p[1], p[3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * g + 3] = _mm512_shuffle_ps(p[1], p[3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  // The quarters: element 4L + q of all 16 rows from quarter L of u[q], u[4 + q], u[8 + q],
+  // u[12 + q].
+  for (int q = 0; q < 4; ++q) {
+    const __m512 a = _mm512_shuffle_f32x4(u[q], u[4 + q], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 b = _mm512_shuffle_f32x4(u[q], u[4 + q], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 d = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], _MM_SHUFFLE(3, 1, 3, 1));
+    v[q] = _mm512_shuffle_f32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
+    v[8 + q] = _mm512_shuffle_f32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
+    v[4 + q] = _mm512_shuffle_f32x4(b, d, _MM_SHUFFLE(2, 0, 2, 0));
+    v[12 + q] = _mm512_shuffle_f32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// transpose_block on AVX-512, 16 x 16 values at a time: at a decode's 16 rows a slot the
+// scalar loop took 30% of an expand (64 rows over 4 slots, 1536 columns: 72 -> 51 us on one
+// core).
+template <typename T>
+TOKENMILL_AVX512_INLINE void transpose_block_avx512(const T* b, int64_t rank, int64_t cols,
+                                                    float* bt) {
+  for (int64_t r0 = 0; r0 < rank; r0 += 16) {
+    const __mmask16 ranks = avx512::first(rank - r0);
+    for (int64_t j0 = 0; j0 < kExpandCols; j0 += 16) {
+      __m512 v[16];
+      for (int j = 0; j < 16; ++j) {
+        const T* row = b + (j0 + j) * rank + r0;
+        v[j] = j0 + j < cols ? avx512::load(row, ranks) : _mm512_setzero_ps();
+      }
+      transpose16(v);
+      for (int r = 0; r < 16 && r0 + r < rank; ++r) {
+        _mm512_storeu_ps(bt + (r0 + r) * kExpandCols + j0, v[r]);
+      }
+    }
+  }
+}
+
 template <typename T>
 TOKENMILL_AVX512_TARGET void expand_cols_avx512(const float* y, int64_t y_stride,
                                                 const int64_t* rows, int64_t count, const T* b,
                                                 int64_t rank, int64_t cols, float* bt, T* out,
                                                 int64_t out_stride) {
-  transpose_block(b, rank, cols, bt);
+  transpose_block_avx512(b, rank, cols, bt);
   const bool native = cpu_isa() >= 2;
   const float* ys[kExpandGroup];
   T* outs[kExpandGroup];
@@ -275,27 +330,6 @@ TOKENMILL_ISA_PORTABLE_VARIANTS(expand_cols, (const float* y, int64_t y_stride,
                                               int64_t out_stride),
                                 (y, y_stride, rows, count, b, rank, cols, bt, out, out_stride))
 
-// The slots' row ranges from starts [S + 1] (int64, on the CPU), checked against T.
-std::vector<int64_t> slot_bounds(const char* op, const at::Tensor& sorted_rows,
-                                 const at::Tensor& starts, int64_t slots, int64_t tokens) {
-  TORCH_CHECK(sorted_rows.dim() == 1 && sorted_rows.size(0) == tokens &&
-                  sorted_rows.scalar_type() == at::kLong,
-              op, ": sorted_rows must be int64 [", tokens, "], got ", sorted_rows.sizes(), " ",
-              sorted_rows.scalar_type());
-  TORCH_CHECK(starts.dim() == 1 && starts.size(0) == slots + 1 &&
-                  starts.scalar_type() == at::kLong,
-              op, ": starts must be int64 [", slots + 1, "] (one per slot and the end), got ",
-              starts.sizes(), " ", starts.scalar_type());
-  const at::Tensor s = starts.contiguous();
-  std::vector<int64_t> bounds(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + slots + 1);
-  for (int64_t i = 0; i < slots; ++i) {
-    TORCH_CHECK(0 <= bounds[i] && bounds[i] <= bounds[i + 1], op,
-                ": starts must rise from 0, got ", starts);
-  }
-  TORCH_CHECK(bounds[slots] == tokens, op, ": starts must end at T=", tokens, ", got ", starts);
-  return bounds;
-}
-
 void check_rows(const char* op, const at::Tensor& rows, int64_t tokens) {
   if (tokens == 0) return;
   const auto [low, high] = std::minmax_element(rows.data_ptr<int64_t>(),
@@ -311,10 +345,10 @@ struct Block {
 };
 
 // Each slot's rows in blocks of `rows` rows, times `cols` blocks of `block_cols` columns.
-std::vector<Block> blocks(const std::vector<int64_t>& bounds, int64_t rows, int64_t cols,
+std::vector<Block> blocks(const int64_t* bounds, int64_t slots, int64_t rows, int64_t cols,
                           int64_t block_cols) {
   std::vector<Block> tasks;
-  for (int64_t s = 0; s + 1 < static_cast<int64_t>(bounds.size()); ++s) {
+  for (int64_t s = 0; s < slots; ++s) {
     for (int64_t b = bounds[s]; b < bounds[s + 1]; b += rows) {
       for (int64_t c = 0; c < cols; ++c) {
         tasks.push_back({s, b, std::min(rows, bounds[s + 1] - b), c * block_cols});
@@ -330,6 +364,68 @@ int64_t grain(int64_t work, const std::vector<Block>& tasks) {
 }
 
 }  // namespace
+
+std::vector<int64_t> lora_slot_bounds(const char* op, const at::Tensor& sorted_rows,
+                                      const at::Tensor& starts, int64_t slots, int64_t tokens) {
+  TORCH_CHECK(sorted_rows.dim() == 1 && sorted_rows.size(0) == tokens &&
+                  sorted_rows.scalar_type() == at::kLong && sorted_rows.is_contiguous(),
+              op, ": sorted_rows must be contiguous int64 [", tokens, "], got ",
+              sorted_rows.sizes(), " ", sorted_rows.scalar_type());
+  TORCH_CHECK(starts.dim() == 1 && starts.size(0) == slots + 1 &&
+                  starts.scalar_type() == at::kLong,
+              op, ": starts must be int64 [", slots + 1, "] (one per slot and the end), got ",
+              starts.sizes(), " ", starts.scalar_type());
+  const at::Tensor s = starts.contiguous();
+  std::vector<int64_t> bounds(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + slots + 1);
+  for (int64_t i = 0; i < slots; ++i) {
+    TORCH_CHECK(0 <= bounds[i] && bounds[i] <= bounds[i + 1], op,
+                ": starts must rise from 0, got ", starts);
+  }
+  TORCH_CHECK(bounds[slots] == tokens, op, ": starts must end at T=", tokens, ", got ", starts);
+  check_rows(op, sorted_rows, tokens);
+  return bounds;
+}
+
+template <typename T>
+void lora_shrink_rows(const T* x, int64_t k, const T* a, int64_t rank, const float* scales,
+                      const int64_t* sorted_rows, const int64_t* bounds, int64_t slots,
+                      float* y) {
+  const std::vector<Block> tasks = blocks(bounds, slots, kShrinkRows, 1, 0);
+  at::parallel_for(0, tasks.size(), grain((bounds[slots] - bounds[0]) * rank * k, tasks),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Block& t = tasks[i];
+      shrink_rows(x, k, sorted_rows + t.begin, t.count, a + t.slot * rank * k, rank,
+                  scales[t.slot], y);
+    }
+  });
+}
+template void lora_shrink_rows(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t,
+                               const float*, const int64_t*, const int64_t*, int64_t, float*);
+template void lora_shrink_rows(const float*, int64_t, const float*, int64_t, const float*,
+                               const int64_t*, const int64_t*, int64_t, float*);
+
+template <typename T>
+void lora_expand_rows(T* out, int64_t out_stride, const float* y, int64_t y_stride, const T* b,
+                      int64_t n, int64_t rank, const int64_t* sorted_rows,
+                      const int64_t* bounds, int64_t slots) {
+  const std::vector<Block> tasks =
+      blocks(bounds, slots, kExpandRows, (n + kExpandCols - 1) / kExpandCols, kExpandCols);
+  at::parallel_for(0, tasks.size(), grain((bounds[slots] - bounds[0]) * rank * n, tasks),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> bt(rank * kExpandCols);
+    for (int64_t i = begin; i < end; ++i) {
+      const Block& t = tasks[i];
+      expand_cols(y, y_stride, sorted_rows + t.begin, t.count, b + (t.slot * n + t.col) * rank,
+                  rank, std::min(kExpandCols, n - t.col), bt.data(), out + t.col, out_stride);
+    }
+  });
+}
+template void lora_expand_rows(at::BFloat16*, int64_t, const float*, int64_t,
+                               const at::BFloat16*, int64_t, int64_t, const int64_t*,
+                               const int64_t*, int64_t);
+template void lora_expand_rows(float*, int64_t, const float*, int64_t, const float*, int64_t,
+                               int64_t, const int64_t*, const int64_t*, int64_t);
 
 at::Tensor lora_shrink(const at::Tensor& x_in, const at::Tensor& a_in,
                        const at::Tensor& sorted_rows_in, const at::Tensor& starts,
@@ -347,29 +443,19 @@ at::Tensor lora_shrink(const at::Tensor& x_in, const at::Tensor& a_in,
                   scale_in.scalar_type() == at::kFloat,
               "lora_shrink: scale must be fp32 [", slots, "], got ", scale_in.sizes(), " ",
               scale_in.scalar_type());
+  const at::Tensor sorted_rows = sorted_rows_in.contiguous();
   const std::vector<int64_t> bounds =
-      slot_bounds("lora_shrink", sorted_rows_in, starts, slots, tokens);
-  const at::Tensor x = x_in.contiguous(), a = a_in.contiguous();
-  const at::Tensor sorted_rows = sorted_rows_in.contiguous(), scale = scale_in.contiguous();
-  check_rows("lora_shrink", sorted_rows, tokens);
+      lora_slot_bounds("lora_shrink", sorted_rows, starts, slots, tokens);
+  const at::Tensor x = x_in.contiguous(), a = a_in.contiguous(), scale = scale_in.contiguous();
   at::Tensor y = at::zeros({tokens, rank}, x.options().dtype(at::kFloat));
-  const std::vector<Block> tasks = blocks(bounds, kShrinkRows, 1, 0);
   const int64_t* rows = sorted_rows.data_ptr<int64_t>();
-  const float* scales = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tasks.size(), grain((tokens - bounds[0]) * rank * k, tasks),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Block& t = tasks[i];
-      if (x.scalar_type() == at::kBFloat16) {
-        shrink_rows(x.data_ptr<at::BFloat16>(), k, rows + t.begin, t.count,
-                    a.data_ptr<at::BFloat16>() + t.slot * rank * k, rank, scales[t.slot], yp);
-      } else {
-        shrink_rows(x.data_ptr<float>(), k, rows + t.begin, t.count,
-                    a.data_ptr<float>() + t.slot * rank * k, rank, scales[t.slot], yp);
-      }
-    }
-  });
+  if (x.scalar_type() == at::kBFloat16) {
+    lora_shrink_rows(x.data_ptr<at::BFloat16>(), k, a.data_ptr<at::BFloat16>(), rank,
+                     scale.data_ptr<float>(), rows, bounds.data(), slots, y.data_ptr<float>());
+  } else {
+    lora_shrink_rows(x.data_ptr<float>(), k, a.data_ptr<float>(), rank, scale.data_ptr<float>(),
+                     rows, bounds.data(), slots, y.data_ptr<float>());
+  }
   return y;
 }
 
@@ -391,30 +477,19 @@ void lora_expand(at::Tensor& out, const at::Tensor& y, const at::Tensor& b_in,
               rank, "], got ", y.sizes());
   TORCH_CHECK(offset >= 0 && offset + n <= out.size(1), "lora_expand: columns ", offset, "..",
               offset + n, " do not fit in an output of ", out.size(1), " columns");
+  const at::Tensor sorted_rows = sorted_rows_in.contiguous();
   const std::vector<int64_t> bounds =
-      slot_bounds("lora_expand", sorted_rows_in, starts, slots, tokens);
-  const at::Tensor b = b_in.contiguous(), sorted_rows = sorted_rows_in.contiguous();
-  check_rows("lora_expand", sorted_rows, tokens);
-  const std::vector<Block> tasks =
-      blocks(bounds, kExpandRows, (n + kExpandCols - 1) / kExpandCols, kExpandCols);
+      lora_slot_bounds("lora_expand", sorted_rows, starts, slots, tokens);
+  const at::Tensor b = b_in.contiguous();
   const int64_t* rows = sorted_rows.data_ptr<int64_t>();
-  at::parallel_for(0, tasks.size(), grain((tokens - bounds[0]) * rank * n, tasks),
-                   [&](int64_t begin, int64_t end) {
-    std::vector<float> bt(rank * kExpandCols);
-    for (int64_t i = begin; i < end; ++i) {
-      const Block& t = tasks[i];
-      const int64_t cols = std::min(kExpandCols, n - t.col);
-      if (out.scalar_type() == at::kBFloat16) {
-        expand_cols(y.data_ptr<float>(), y.stride(0), rows + t.begin, t.count,
-                    b.data_ptr<at::BFloat16>() + (t.slot * n + t.col) * rank, rank, cols,
-                    bt.data(), out.data_ptr<at::BFloat16>() + offset + t.col, out.stride(0));
-      } else {
-        expand_cols(y.data_ptr<float>(), y.stride(0), rows + t.begin, t.count,
-                    b.data_ptr<float>() + (t.slot * n + t.col) * rank, rank, cols, bt.data(),
-                    out.data_ptr<float>() + offset + t.col, out.stride(0));
-      }
-    }
-  });
+  if (out.scalar_type() == at::kBFloat16) {
+    lora_expand_rows(out.data_ptr<at::BFloat16>() + offset, out.stride(0), y.data_ptr<float>(),
+                     y.stride(0), b.data_ptr<at::BFloat16>(), n, rank, rows, bounds.data(),
+                     slots);
+  } else {
+    lora_expand_rows(out.data_ptr<float>() + offset, out.stride(0), y.data_ptr<float>(),
+                     y.stride(0), b.data_ptr<float>(), n, rank, rows, bounds.data(), slots);
+  }
 }
 
 }  // namespace tokenmill

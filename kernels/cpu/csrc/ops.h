@@ -6,6 +6,7 @@
 #include <c10/util/Optional.h>
 
 #include <tuple>
+#include <vector>
 
 namespace tokenmill {
 
@@ -112,9 +113,24 @@ at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a_stacked,
                        const at::Tensor& scale);
 void lora_expand(at::Tensor& out, const at::Tensor& y, const at::Tensor& b_stacked,
                  const at::Tensor& sorted_rows, const at::Tensor& starts, int64_t offset);
+// Their work on raw rows, the arguments checked by the caller (decode_layers checks a step's
+// once): bounds [S + 1] are the checked starts (lora_slot_bounds; `op` names the caller in its
+// errors); x rows of k values, a [S, rank, k], scales [S], y rows of `rank` floats (rows of no
+// slot left as they are); out and y rows at out_stride and y_stride, b [S, n, rank].
+std::vector<int64_t> lora_slot_bounds(const char* op, const at::Tensor& sorted_rows,
+                                      const at::Tensor& starts, int64_t slots, int64_t tokens);
+template <typename T>
+void lora_shrink_rows(const T* x, int64_t k, const T* a, int64_t rank, const float* scales,
+                      const int64_t* sorted_rows, const int64_t* bounds, int64_t slots,
+                      float* y);
+template <typename T>
+void lora_expand_rows(T* out, int64_t out_stride, const float* y, int64_t y_stride, const T* b,
+                      int64_t n, int64_t rank, const int64_t* sorted_rows,
+                      const int64_t* bounds, int64_t slots);
 
 // decode_layers.cpp: a decode step's Llama decoder layers in one call, from the embeddings to
-// the last layer's (hidden, residual); projections with a qtype run on GGUF weights.
+// the last layer's (hidden, residual); projections with a qtype run on GGUF weights, and
+// projections with LoRA operands add their adapters' products where the step has a mapping.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& hidden, at::TensorList weights,
     const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList kv_caches,
@@ -122,6 +138,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_lens,
     int64_t num_heads,
     int64_t num_kv_heads, double scale, double eps, at::IntArrayRef windows,
-    const c10::List<c10::optional<at::Tensor>>& quant, at::IntArrayRef qtypes);
+    const c10::List<c10::optional<at::Tensor>>& quant, at::IntArrayRef qtypes,
+    const c10::List<c10::optional<at::Tensor>>& lora, at::IntArrayRef lora_offsets,
+    const c10::optional<at::Tensor>& lora_scales, const c10::optional<at::Tensor>& lora_rows,
+    const c10::optional<at::Tensor>& lora_starts);
 
 }  // namespace tokenmill

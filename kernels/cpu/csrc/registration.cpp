@@ -28,7 +28,8 @@ TORCH_LIBRARY(tokenmill, m) {
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, Tensor[] kv_caches, "
       "Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_table, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, float scale, float eps, "
-      "int[] windows, Tensor?[] quant, int[] qtypes) -> (Tensor, Tensor)");
+      "int[] windows, Tensor?[] quant, int[] qtypes, Tensor?[] lora, int[] lora_offsets, "
+      "Tensor? lora_scales, Tensor? lora_rows, Tensor? lora_starts) -> (Tensor, Tensor)");
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
       "Tensor query_start, Tensor seq_lens, float scale, int window, float softcap) -> ()");
