@@ -24,6 +24,13 @@ needs_kernels = pytest.mark.skipif(
     not envs.TOKENMILL_CPU_KERNELS or not cpu.load(envs.TOKENMILL_CACHE),
     reason="the batch-invariant mode runs on tokenmill's CPU kernels",
 )
+# bf16 on an AMX CPU: oneDNN's AMX tiles at every row count, not yet seen on one (see
+# tests/unit/test_cpu_batch_invariance.py): XPASS there shows they hold.
+amx_unverified = pytest.mark.xfail(
+    cpu.loaded() and cpu.cpu_isa() >= 3,
+    strict=False,
+    reason="AMX tiles' row invariance not yet verified on an AMX CPU",
+)
 
 TARGET = [3 + (7 * j) % 500 for j in range(150)]  # long enough that decodes split the context
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -89,7 +96,7 @@ def alone(tiny_model):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=amx_unverified), "float32"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_logits_do_not_depend_on_the_batch(alone, setting: str, dtype: str) -> None:
     path, expected = alone
@@ -122,6 +129,7 @@ def chat_prompts(smollm2_path: str) -> list[list[int]]:
 
 
 @needs_kernels
+@amx_unverified
 def test_smollm2_200_copies_in_mixed_batches_give_one_output(smollm2_path, chat_prompts):
     copy = chat_prompts[2]
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
@@ -140,6 +148,7 @@ def test_smollm2_200_copies_in_mixed_batches_give_one_output(smollm2_path, chat_
 
 
 @needs_kernels
+@amx_unverified
 def test_smollm2_seeded_requests_agree_across_budgets_and_preemption(smollm2_path, chat_prompts):
     params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i,
                              max_tokens=48) for i in range(20)]  # fmt: skip
@@ -154,6 +163,7 @@ def test_smollm2_seeded_requests_agree_across_budgets_and_preemption(smollm2_pat
 
 
 @needs_kernels
+@amx_unverified
 def test_smollm2_ngram_speculation_keeps_greedy_tokens(smollm2_path, chat_prompts):
     prompts = chat_prompts[:14]
     params = SamplingParams(temperature=0.0, max_tokens=48)

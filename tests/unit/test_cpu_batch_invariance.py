@@ -18,6 +18,14 @@ ROWS = (2, 7, 33, 100, 300)  # batch sizes a row is checked in (beside 1: alone)
 PART = 256  # csrc/attention.cpp's kInvariantPart
 
 
+# On AMX the mode's bf16 matmuls run oneDNN's AMX tiles at every row count (1-4 rows
+# included); whether the tiles sum a row alike at every row count has not been seen on an
+# AMX machine yet. Run there, these show XPASS (make them strict then) or XFAIL (a defect).
+AMX_UNVERIFIED = pytest.mark.xfail(
+    strict=False, reason="AMX tiles' row invariance not yet verified on an AMX CPU"
+)
+
+
 @pytest.fixture(autouse=True)
 def invariant(kernels):
     """The mode on for the test (the C++ switch too), restored after."""
@@ -44,7 +52,9 @@ def _rows(k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------ matmuls
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n, k", [(1536, 576), (128, 130)])
-def test_linear_rows_are_batch_invariant(isa, dtype, n, k) -> None:
+def test_linear_rows_are_batch_invariant(request, isa, dtype, n, k) -> None:
+    if isa == 3 and dtype == torch.bfloat16:
+        request.applymarker(AMX_UNVERIFIED)
     torch.manual_seed(n + k)
     packed = L.pack_weight(torch.randn(n, k).to(dtype))
     bias = torch.randn(n).to(dtype)
