@@ -102,37 +102,41 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
     return Workload(prompts, output_lens)
 
 
-def write_adapters(model_path: str, count: int, rank: int, folder: Path) -> list[str]:
-    """`count` random PEFT LoRA adapters of `rank` for the model (every attention and MLP
-    projection; B large enough that the adapter changes the output)."""
+def write_adapter(
+    folder: Path, config: dict, rank: int, seed: int, b_scale: float = 0.02
+) -> str:
+    """A random PEFT LoRA adapter of `rank` for a Llama-shaped config.json (every attention
+    and MLP projection; B drawn at b_scale, large enough that the adapter changes the
+    output), written into `folder`; returns its path."""
     import torch
     from safetensors.torch import save_file
 
-    hf = json.load(open(os.path.join(model_path, "config.json")))
-    hidden, inter = hf["hidden_size"], hf["intermediate_size"]
-    head = hf.get("head_dim") or hidden // hf["num_attention_heads"]
-    q, kv = hf["num_attention_heads"] * head, hf.get("num_key_value_heads", 1) * head
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head, config.get("num_key_value_heads", 1) * head
     shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
               "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
               "down_proj": (inter, hidden)}  # fmt: skip
-    paths = []
-    for i in range(count):
-        g = torch.Generator().manual_seed(i)
-        tensors = {}
-        for layer in range(hf["num_hidden_layers"]):
-            for name, (k, n) in shapes.items():
-                part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                key = f"base_model.model.model.layers.{layer}.{part}.{name}"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, k, generator=g) / k**0.5
-                tensors[f"{key}.lora_B.weight"] = torch.randn(n, rank, generator=g) * 0.02
-        path = folder / f"adapter{i}"
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                  "target_modules": list(shapes), "bias": "none"}  # fmt: skip
-        (path / "adapter_config.json").write_text(json.dumps(config))
-        paths.append(str(path))
-    return paths
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, (k, n) in shapes.items():
+            part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, k, generator=g) / k**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n, rank, generator=g) * b_scale
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                      "target_modules": list(shapes), "bias": "none"}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return str(folder)
+
+
+def write_adapters(model_path: str, count: int, rank: int, folder: Path) -> list[str]:
+    """`count` random adapters of `rank` for the model (write_adapter, seeds 0..count-1)."""
+    config = json.load(open(os.path.join(model_path, "config.json")))
+    return [write_adapter(folder / f"adapter{i}", config, rank, seed=i) for i in range(count)]
 
 
 def start_tokenmill(

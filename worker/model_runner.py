@@ -360,28 +360,24 @@ class ModelRunner:
         return step
 
     def _plan_lora(self, step: PreparedStep) -> None:
-        """Each token's adapter (by lora_int_id, 0 for none), where any request runs one."""
+        """Each request's adapter (by lora_int_id, 0 for none), where any request runs one."""
         batch = self.input_batch
         assert batch is not None
         adapters = [batch.requests[r].lora_request for r in step.req_ids]
         if not any(adapters):
             return
-        ids = np.array([0 if a is None else a.lora_int_id for a in adapters], dtype=np.int64)
         step.lora_requests = {a.lora_int_id: a for a in adapters if a is not None}
-        step.token_lora_ids = np.repeat(ids, step.layout.query_lens)
+        step.lora_ids = [0 if a is None else a.lora_int_id for a in adapters]
 
     def _lora_mapping(self, step: PreparedStep) -> LoRAMapping | None:
         """The step's rows by adapter slot, copying adapters into slots as needed (on the
         device's thread, after the steps before have run)."""
         manager = self.lora_manager
-        if manager is None or step.token_lora_ids is None:
+        if manager is None or step.lora_ids is None:
             return None
         slots = manager.activate(step.lora_requests)
-        ids = step.token_lora_ids
-        lookup = np.full(int(ids.max()) + 1, -1, dtype=np.int64)
-        for lora_id, slot in slots.items():
-            lookup[lora_id] = slot
-        row_slots = to_device(lookup[ids], self.device)
+        request_slots = np.array([slots.get(i, -1) for i in step.lora_ids], dtype=np.int64)
+        row_slots = to_device(np.repeat(request_slots, step.layout.query_lens), self.device)
         return LoRAMapping.of(row_slots, manager.config.max_loras)
 
     def _step_order(self, out: SchedulerOutput) -> list[str]:

@@ -122,8 +122,8 @@ class PreparedStep:
     positions_t: torch.Tensor | None = None
     logit_rows_t: torch.Tensor | None = None  # the hidden states that give logits (None: all)
     sample_rows_t: torch.Tensor | None = None  # sample_rows on the device
-    # LoRA: each token's adapter id (0: none) and the step's adapters; None: no adapter runs.
-    token_lora_ids: np.ndarray | None = None
+    # LoRA: each request's adapter id (0: none) and the step's adapters; None: none runs.
+    lora_ids: list[int] | None = None
     lora_requests: dict[int, LoRARequest] = field(default_factory=dict)
     # Set once the device part has read the batch (the next step may then change it).
     inputs_taken: threading.Event = field(default_factory=threading.Event)

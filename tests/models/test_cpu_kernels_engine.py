@@ -8,8 +8,10 @@ adapters."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
-import torch
 from helpers import assert_same_greedy_tokens, smollm2_prompts
 
 from tokenmill import LLM, SamplingParams
@@ -114,31 +116,12 @@ def test_decode_steps_as_one_call_give_the_layer_by_layer_results_bit_for_bit(
 
 
 def _write_adapter(folder, config: dict, rank: int, seed: int) -> str:
-    """A PEFT LoRA adapter folder on every projection of a Llama-shaped config, random A and B
-    (large enough to change the greedy tokens)."""
-    import json
+    """A random PEFT adapter on every projection, B large enough to change the greedy tokens
+    (the benchmark's writer)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from bench_throughput import write_adapter
 
-    from safetensors.torch import save_file
-
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    kv = config["num_key_value_heads"] * (hidden // config["num_attention_heads"])
-    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-              "o_proj": (hidden, hidden), "gate_proj": (hidden, inter),
-              "up_proj": (hidden, inter), "down_proj": (inter, hidden)}  # fmt: skip
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for name, (k, n) in shapes.items():
-            kind = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            prefix = f"base_model.model.model.layers.{layer}.{kind}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, k, generator=g) * k**-0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(n, rank, generator=g) * 0.05
-    folder.mkdir()
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(shapes),
-    }))  # fmt: skip
-    return str(folder)
+    return write_adapter(folder, config, rank, seed, b_scale=0.05)
 
 
 def test_decode_steps_with_lora_as_one_call_give_the_layer_by_layer_results(

@@ -7,7 +7,6 @@ step does not run."""
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Collection
 
@@ -18,8 +17,6 @@ from tokenmill.protocol.lora import LoRAConfig, LoRARequest
 from tokenmill.worker.layers.linear import LinearBase
 from tokenmill.worker.lora.adapter import LoRALayerWeights, LoRAModel, load_lora_model
 from tokenmill.worker.lora.layers import LoRALayer
-
-logger = logging.getLogger(__name__)
 
 # The layers adapters may target, by tokenmill's module names (PEFT's q/k/v and gate/up are
 # read into the packed ones).
