@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import psutil
@@ -55,19 +54,28 @@ def test_bad_request_fails_alone(mp_llm: LLM) -> None:
     assert len(out[0].outputs[0].token_ids) == 12
 
 
-def test_killed_core_fails_pending_and_new_calls(mp_llm: LLM) -> None:
-    core = mp_llm.llm_engine.client.proc
+def test_killed_core_fails_pending_and_new_calls(mp_llm: LLM, monkeypatch) -> None:
+    engine = mp_llm.llm_engine
+    core = engine.client.proc
     long_run = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + i] * 20} for i in range(32)]
-    killer = threading.Timer(1.0, os.kill, (core.pid, signal.SIGKILL))
-    killer.start()
+    # The core dies on the frontend's first step, when the requests have just been sent: 900
+    # decode steps cannot be done by then, however fast the machine (a timer could be late).
+    step = engine.step
+    killed_while_pending = []
+
+    def step_that_kills_the_core():
+        if not killed_while_pending:
+            killed_while_pending.append(engine.has_unfinished_requests())
+            os.kill(core.pid, signal.SIGKILL)
+        return step()
+
+    monkeypatch.setattr(engine, "step", step_that_kills_the_core)
     started = time.monotonic()
-    try:
-        with pytest.raises(EngineDeadError):
-            mp_llm.generate(prompts, long_run, use_tqdm=False)
-    finally:
-        killer.cancel()
-    assert time.monotonic() - started < 1.0 + PROMPTLY_S
+    with pytest.raises(EngineDeadError):
+        mp_llm.generate(prompts, long_run, use_tqdm=False)
+    assert killed_while_pending == [True]
+    assert time.monotonic() - started < PROMPTLY_S
     started = time.monotonic()
     with pytest.raises(EngineDeadError):
         mp_llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
