@@ -133,9 +133,7 @@ class EngineCore:
             # long frequencies (the workers' rule), unlike a shorter one's first positions.
             core_request.cache_salt = b"long-rope"
         if lora is not None:
-            # An adapter's K/V differ from the base model's and from other adapters' (vLLM's
-            # extra keys): its blocks are cached under its own name and folder.
-            core_request.cache_salt += f"lora:{lora.lora_name}:{lora.lora_path}".encode()
+            core_request.cache_salt += lora.cache_salt
         params = request.sampling_params
         structured = None if params is None else params.structured_outputs
         if structured is not None:

@@ -65,6 +65,11 @@ class _InFlight:
     # The router's hashes of its tokens' full blocks, extended as they grow.
     hashes: list[bytes] = field(default_factory=list)
 
+    @property
+    def salt(self) -> bytes:
+        lora = self.request.lora_request
+        return b"" if lora is None else lora.cache_salt
+
 
 @dataclass
 class _Rank:
@@ -164,7 +169,7 @@ class _DataParallel:
                 continue
             # (A resubmission's resumed tokens are part of the prefix it needs.)
             tokens = request.prompt_token_ids + request.resumed_token_ids
-            hashes = self.router.block_hashes(tokens, entry.hashes)
+            hashes = self.router.block_hashes(tokens, entry.hashes, entry.salt)
             load = self.router.choose(loads, hashes)
             load.record.add(hashes)
             load.unfinished += 1
@@ -227,7 +232,7 @@ class _DataParallel:
                 request = entry.request
                 # Its output's blocks are in that rank's cache too (a next chat turn's prefix).
                 tokens = request.prompt_token_ids + request.resumed_token_ids + entry.produced
-                rank.load.record.add(self.router.block_hashes(tokens, entry.hashes))
+                rank.load.record.add(self.router.block_hashes(tokens, entry.hashes, entry.salt))
         now = time.monotonic()
         if now >= self.next_stats_log and outputs.outputs:
             self.next_stats_log = now + _STATS_LOG_INTERVAL_S

@@ -70,13 +70,14 @@ class Router:
         self.block_size = block_size
 
     def block_hashes(
-        self, token_ids: list[int], hashes: list[BlockHash] | None = None
+        self, token_ids: list[int], hashes: list[BlockHash] | None = None, salt: bytes = b""
     ) -> list[BlockHash]:
         """The chained hashes of the full blocks of `token_ids` (none with "load" routing),
-        extending `hashes` (those of a prefix of the same tokens) where given."""
+        extending `hashes` (those of a prefix of the same tokens) where given. `salt` is the
+        request's LoRA adapter's (a rank's blocks of one adapter are no prefix for another)."""
         hashes = [] if hashes is None else hashes
         if self.by_prefix:
-            extend_block_hashes(hashes, token_ids, self.block_size)
+            extend_block_hashes(hashes, token_ids, self.block_size, salt)
         return hashes
 
     def choose(self, ranks: Sequence[RankLoad], hashes: Sequence[BlockHash]) -> RankLoad:

@@ -35,6 +35,13 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):  # type: ign
     def __hash__(self) -> int:
         return hash(self.lora_name)
 
+    @property
+    def cache_salt(self) -> bytes:
+        """What its prefix-cache keys carry (vLLM's extra keys): an adapter's K/V differ from
+        the base model's and from other adapters', so its blocks are cached under its own
+        name and folder (and routed by them across data-parallel ranks)."""
+        return f"lora:{self.lora_name}:{self.lora_path}".encode()
+
 
 @dataclass(frozen=True)
 class LoRAConfig:

@@ -31,7 +31,7 @@ from helpers import (
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.frontend.dp_ranks import Registry
 from tokenmill.frontend.dp_router import PrefixRecord, RankLoad, Router
 from tokenmill.protocol.messages import SchedulerStats
@@ -183,6 +183,12 @@ def test_router_prefers_the_rank_holding_the_prefix_within_the_margin() -> None:
     # Requests sent but not yet in the stats count as waiting.
     b.unfinished = 3
     assert b.score() == 12
+    # The same prompt under a LoRA adapter shares no block with the base model's (the ranks'
+    # prefix caches keep them apart), nor with another adapter's.
+    salted = [router.block_hashes(prompt, salt=LoRARequest(n, i, "/a").cache_salt)
+              for n, i in (("sql", 1), ("chat", 2))]  # fmt: skip
+    assert a.record.matched(salted[0]) == 0 and len(salted[0]) == len(hashes)
+    assert salted[0] != salted[1]
 
 
 def test_prefix_record_is_bounded_and_matches_leading_blocks_only() -> None:
