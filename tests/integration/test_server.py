@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ import jsonschema
 import openai
 import psutil
 import pytest
-from helpers import AT_ONCE_S, httpx, running_daemon, running_server, smollm2_prompts
+from helpers import PROMPTLY_S, httpx, running_daemon, running_server, smollm2_prompts
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill import SamplingParams
@@ -335,24 +336,37 @@ def test_closed_stream_is_aborted_in_the_core(server) -> None:
                 chunks += line.startswith("data: ")
                 if chunks == 3:
                     break
-    closed = time.monotonic()
-    while True:
-        values = metric_values(server)
-        if values["tokenmill:num_requests_running"] == 0:
-            break
-        assert time.monotonic() - closed < AT_ONCE_S, "the request still runs after the close"
-        time.sleep(0.05)
-    # Stopped where it was, far from its 800 tokens.
-    assert 3 <= values["tokenmill:generation_tokens_total"] - generated_before < 400
+    _wait_until_idle(server, "the streamed request still runs after the close")
+    values = metric_values(server)
+    # Stopped where it was, before its 800 tokens.
+    assert 3 <= values["tokenmill:generation_tokens_total"] - generated_before < 800
     assert values["tokenmill:time_to_first_token_seconds_count"] > 0
     assert values["tokenmill:kv_cache_usage_perc"] >= 0.0
 
-    # A whole (not streamed) answer whose client gives up is aborted too.
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=1.5)
+    # A whole (not streamed) answer whose client goes away while it runs is aborted too: the
+    # connection closes once the request is seen running (not after a time, which a fast
+    # machine could outrun).
+    generated_before = values["tokenmill:generation_tokens_total"]
+    payload = json.dumps({**body, "stream": False}).encode()
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        started = time.monotonic()
+        while metric_values(server)["tokenmill:num_requests_running"] == 0:
+            assert time.monotonic() - started < PROMPTLY_S, "the request never ran"
+            time.sleep(0.01)
+    _wait_until_idle(server, "the whole-answer request still runs after the close")
+    assert metric_values(server)["tokenmill:generation_tokens_total"] - generated_before < 800
+
+
+def _wait_until_idle(server: str, why: str) -> None:
     closed = time.monotonic()
     while metric_values(server)["tokenmill:num_requests_running"] != 0:
-        assert time.monotonic() - closed < AT_ONCE_S, "the request still runs after the close"
+        assert time.monotonic() - closed < PROMPTLY_S, why
         time.sleep(0.05)
 
 
@@ -492,7 +506,7 @@ def test_killed_engine_core_fails_health_and_ends_the_server(smollm2_path) -> No
         server = psutil.Process(proc.pid)
         (core,) = [p for p in server.children() if "engine_core_proc" in " ".join(p.cmdline())]
         core.kill()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PROMPTLY_S
         saw_503 = False
         while proc.poll() is None and time.monotonic() < deadline:
             try:
@@ -500,7 +514,7 @@ def test_killed_engine_core_fails_health_and_ends_the_server(smollm2_path) -> No
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        assert proc.poll() is not None, "the server outlived its engine core by 10 s"
+        assert proc.poll() is not None, f"the server outlived its engine core by {PROMPTLY_S} s"
         assert proc.returncode != 0
         assert saw_503, "/health never answered 503 while the server went down"
 

@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import resource
 
+import pytest
 import torch
 
+from tokenmill.worker import platform
 from tokenmill.worker.platform import commit_pages, zeroed_tensor
 
 _SHAPE = (4096, 2, 16, 4, 64)  # 256 MiB of fp32: 65536 pages of 4 KiB, 128 huge pages
+
+
+@pytest.fixture(autouse=True)
+def _commit_at_normal_priority(monkeypatch) -> None:
+    """The commit thread runs on idle time only (tested in test_platform.py); here it runs as
+    any thread, so that a machine busy with other work does not starve it past the joins."""
+    monkeypatch.setattr(platform, "_yield_to_others", lambda: None)
 
 
 def _faults() -> int:
