@@ -6,8 +6,9 @@ starts[s + 1]]). The arguments and results are punica.py's, which is their refer
 A program takes BLOCK_M rows of one slot (grid: row blocks x slots, and output column blocks
 in the expand): the rows of a prefill chunk with one adapter run as one tiled matmul. The grid
 is sized by T and S alone and programs past their slot's rows return at once, so nothing waits
-for the device and a CUDA graph can capture a launch. The whole rank is one tile (R <= 128:
-LoRA ranks are 8-64).
+for the device and a CUDA graph can capture a launch. The rank (R: a packed layer's slices
+stacked, up to 3 x max_lora_rank) is cut into tiles of up to 64: a grid axis of the shrink, a
+loop of the expand (in the same order for every row).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import triton.language as tl
 from tokenmill.kernels.launches import count_launch
 from tokenmill.kernels.punica import LoRAMapping, slot_scales
 
-MAX_RANK = 128
 BLOCK_M = 16
+MAX_BLOCK_R = 64
 
 
 @triton.jit
@@ -44,6 +45,7 @@ def _shrink_kernel(
 ):
     pid_m = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
+    pid_r = tl.program_id(2)
     first = tl.load(starts_ptr + slot) + pid_m * BLOCK_M
     end = tl.load(starts_ptr + slot + 1)
     if first >= end:  # past this slot's rows
@@ -51,7 +53,7 @@ def _shrink_kernel(
     positions = first + tl.arange(0, BLOCK_M)
     row_ok = positions < end
     rows = tl.load(sorted_rows_ptr + positions, mask=row_ok, other=0)
-    ranks = tl.arange(0, BLOCK_R)
+    ranks = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_ok = ranks < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -107,21 +109,23 @@ def _expand_kernel(
     positions = first + tl.arange(0, BLOCK_M)
     row_ok = positions < end
     rows = tl.load(sorted_rows_ptr + positions, mask=row_ok, other=0)
-    ranks = tl.arange(0, BLOCK_R)
-    rank_ok = ranks < R
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    y = tl.load(
-        y_ptr + rows[:, None] * stride_ym + ranks[None, :],
-        mask=row_ok[:, None] & rank_ok[None, :],
-        other=0.0,
-    )
-    b = tl.load(
-        b_ptr + slot * stride_bs + cols[None, :] * stride_bn + ranks[:, None],
-        mask=rank_ok[:, None] & col_ok[None, :],
-        other=0.0,
-    )  # [R, N]
-    acc = tl.dot(y, b.to(tl.float32), input_precision="ieee")
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        ranks = r0 + tl.arange(0, BLOCK_R)
+        rank_ok = ranks < R
+        y = tl.load(
+            y_ptr + rows[:, None] * stride_ym + ranks[None, :],
+            mask=row_ok[:, None] & rank_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + slot * stride_bs + cols[None, :] * stride_bn + ranks[:, None],
+            mask=rank_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )  # [R, N]
+        acc += tl.dot(y, b.to(tl.float32), input_precision="ieee")
     out_ptrs = out_ptr + rows[:, None] * stride_om + offset + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     old = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -129,9 +133,7 @@ def _expand_kernel(
 
 
 def _block_r(rank: int) -> int:
-    if rank > MAX_RANK:
-        raise ValueError(f"LoRA rank {rank} is above the kernels' {MAX_RANK}")
-    return max(16, triton.next_power_of_2(rank))
+    return min(MAX_BLOCK_R, max(16, triton.next_power_of_2(rank)))
 
 
 def lora_shrink(
@@ -144,11 +146,12 @@ def lora_shrink(
     y = torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
     fp32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
     count_launch("lora_shrink")
-    grid = (triton.cdiv(x.shape[0], BLOCK_M), slots)
+    block_r = _block_r(rank)
+    grid = (triton.cdiv(x.shape[0], BLOCK_M), slots, triton.cdiv(rank, block_r))
     _shrink_kernel[grid](
         x, a_stacked, y, slot_scales(scale, slots, x.device), mapping.sorted_rows,
         mapping.starts, k, rank, x.stride(0), a_stacked.stride(0), a_stacked.stride(1),
-        y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(rank),
+        y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r,
         BLOCK_K=min(64, max(16, triton.next_power_of_2(k))), FP32_DOT=fp32_dot,
     )  # fmt: skip
     return y

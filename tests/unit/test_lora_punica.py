@@ -244,6 +244,31 @@ def test_triton_kernels_equal_the_reference(tokens) -> None:
         assert torch.equal(got.cpu()[slots < 0], base[slots < 0])
 
 
+def test_triton_kernels_tile_large_ranks() -> None:
+    """max_lora_rank 64 on a packed q/k/v stacks 192 ranks: the shrink tiles them over its
+    grid, the expand loops over them (fp32 under the interpreter; rank 72 is off the tiles)."""
+    require_triton()
+    from tokenmill.kernels import lora as triton_lora
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(3)
+    tokens, k, rank, slices = 5, 40, 72, (24, 8, 8)
+    a = torch.randn(SLOTS, len(slices) * rank, k, generator=g) / k**0.5
+    bs = [torch.randn(SLOTS, n, rank, generator=g) for n in slices]
+    slots = _row_slots(tokens, seed=1)
+    x, base = torch.randn(tokens, k, generator=g), torch.randn(tokens, sum(slices), generator=g)
+    mapping, on = LoRAMapping.of(slots, SLOTS), LoRAMapping.of(slots.to(device), SLOTS)
+    want_y = punica.lora_shrink(x, a, mapping, SCALES)
+    y = triton_lora.lora_shrink(x.to(device), a.to(device), on, SCALES.to(device))
+    torch.testing.assert_close(y.cpu(), want_y, rtol=1e-5, atol=1e-5)
+    want, got, offset = base.clone(), base.clone().to(device), 0
+    for i, b in enumerate(bs):
+        punica.lora_expand(want_y[:, i * rank : (i + 1) * rank], b, mapping, want, offset)
+        triton_lora.lora_expand(y[:, i * rank : (i + 1) * rank], b.to(device), on, got, offset)
+        offset += b.shape[1]
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("rank", [5, 20])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_kernels_take_ranks_and_widths_off_their_blocks(isa, rank, dtype) -> None:
