@@ -72,6 +72,8 @@ class EngineCore:
         self._rejected: list[EngineCoreOutput] = []
         # LoRA adapters the workers have read (by lora_int_id), with enable_lora.
         self.loras: dict[int, LoRARequest] = {}
+        # Removed while requests still ran them: dropped from the workers once none does.
+        self._loras_leaving: dict[int, LoRARequest] = {}
         self.async_scheduling = self.config.scheduler_config.async_scheduling
         # Steps submitted to the executor and not yet updated, oldest first (at most two).
         self._batches: deque[_Batch] = deque()
@@ -123,8 +125,8 @@ class EngineCore:
         if lora is not None:
             try:
                 self.add_lora(lora)
-            except ValueError as e:
-                self.reject_request(request.request_id, str(e))
+            except Exception as e:  # its adapter cannot run (or be read): it fails alone
+                self.reject_request(request.request_id, str(e) or type(e).__name__)
                 return
         core_request = Request(request, self.config.model_config.max_model_len)
         threshold = self.config.model_config.long_rope_threshold
@@ -237,6 +239,7 @@ class EngineCore:
             or bool(self._compiling)
             or bool(self._batches)
             or self.scheduler.has_unfinished_requests()
+            or bool(self._loras_leaving)  # a step drops them from the workers
         )
 
     # ---------------------------------------------------------------------------------- step
@@ -245,6 +248,8 @@ class EngineCore:
             self._admit_compiled()
         rejected, self._rejected = self._rejected, []
         if not self.scheduler.has_unfinished_requests() and not self._batches:
+            if self._loras_leaving:
+                self._drop_unused_loras()
             if self._compiling and not rejected:  # nothing to run until a grammar is ready
                 _, future = next(iter(self._compiling.values()))
                 wait([future], timeout=_GRAMMAR_WAIT_S)
@@ -262,6 +267,8 @@ class EngineCore:
             outputs = EngineCoreOutputs(timestamp=time.monotonic())
         outputs.outputs.extend(rejected)
         outputs.scheduler_stats = self.make_stats()
+        if self._loras_leaving:
+            self._drop_unused_loras()
         return outputs
 
     def _step_overlapped(self) -> EngineCoreOutputs | None:
@@ -423,9 +430,16 @@ class EngineCore:
             raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
         if not isinstance(lora_request, LoRARequest):  # a utility call's argument
             lora_request = msgspec.convert(lora_request, LoRARequest)
-        known = self.loras.get(lora_request.lora_int_id)
+        lora_id = lora_request.lora_int_id
+        known = self.loras.get(lora_id)
         if known is not None and known.lora_path == lora_request.lora_path:
             return False
+        leaving = self._loras_leaving.get(lora_id)
+        if leaving is not None and leaving.lora_path == lora_request.lora_path:
+            # Removed while requests still ran it, so still in the workers: it stays.
+            del self._loras_leaving[lora_id]
+            self.loras[lora_id] = leaving
+            return True
         try:
             self.executor.collective_rpc("add_lora", args=(lora_request,), timeout=_LORA_RPC_S)
         except RuntimeError as e:  # a worker process's error, as text
@@ -437,13 +451,36 @@ class EngineCore:
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Forgets the adapter in every worker; False if it was not added."""
+        """Forgets the adapter in every worker; False if it was not added. Requests running
+        it finish with it: the workers drop it once the last of them ends (so no step has to
+        read its folder again, which may be gone by then)."""
         if self.config.lora_config is None:
             raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
-        if self.loras.pop(lora_id, None) is None:
+        lora = self.loras.pop(lora_id, None)
+        if lora is None:
             return False
-        self.executor.collective_rpc("remove_lora", args=(lora_id,), timeout=_LORA_RPC_S)
+        if lora_id in self._lora_ids_in_use():
+            self._loras_leaving[lora_id] = lora
+        else:
+            self.executor.collective_rpc("remove_lora", args=(lora_id,), timeout=_LORA_RPC_S)
         return True
+
+    def _lora_ids_in_use(self) -> set[int]:
+        """The adapters of the requests still to run a step: scheduled, waiting, compiling
+        their grammar."""
+        requests = [*self.scheduler.requests.values()]
+        requests += [request for request, _ in self._compiling.values()]
+        return {r.lora_id for r in requests if r.lora_id}
+
+    def _drop_unused_loras(self) -> None:
+        """Removes from the workers the adapters removed while requests ran them, once none
+        does (and no step in flight may)."""
+        if self._batches:
+            return
+        in_use = self._lora_ids_in_use()
+        for lora_id in [i for i in self._loras_leaving if i not in in_use]:
+            del self._loras_leaving[lora_id]
+            self.executor.collective_rpc("remove_lora", args=(lora_id,), timeout=_LORA_RPC_S)
 
     def list_loras(self) -> list[int]:
         """The adapters added (by lora_int_id)."""

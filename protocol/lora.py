@@ -38,9 +38,23 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):  # type: ign
     @property
     def cache_salt(self) -> bytes:
         """What its prefix-cache keys carry (vLLM's extra keys): an adapter's K/V differ from
-        the base model's and from other adapters', so its blocks are cached under its own
-        name and folder (and routed by them across data-parallel ranks)."""
-        return f"lora:{self.lora_name}:{self.lora_path}".encode()
+        the base model's and from other adapters', so its blocks are cached under its id,
+        name and folder (and routed by them across data-parallel ranks). The server gives a
+        reloaded adapter a new id: blocks of its old weights are never reused."""
+        return msgspec.msgpack.encode(("lora", self.lora_int_id, self.lora_name, self.lora_path))
+
+    # vLLM's other names for the fields.
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
 
 
 @dataclass(frozen=True)

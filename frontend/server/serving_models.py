@@ -11,6 +11,7 @@ time, so that a name and its id stay paired with what the engine holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass
@@ -114,18 +115,27 @@ class OpenAIServingModels:
 
     # ------------------------------------------------------- loading, unloading
     async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, base_model_name: str | None = None
+        self,
+        lora_name: str,
+        lora_path: str,
+        base_model_name: str | None = None,
+        load_inplace: bool = False,
     ) -> str:
         """Loads an adapter into the engine's workers under a new id and makes its name
-        servable; vLLM's answer on success, its error (a ServingError) otherwise."""
+        servable; vLLM's answer on success, its error (a ServingError) otherwise. With
+        load_inplace a loaded name is read again (from this path) and replaces the old
+        adapter, whose requests in flight finish with it; a new id keeps the prefix cache's
+        blocks of the old weights from being reused."""
         if not lora_name or not lora_path:
             raise ServingError(
                 "Both 'lora_name' and 'lora_path' must be provided.", 400, None, "InvalidUserInput"
             )
         async with self._lock:
-            if lora_name in self.lora_requests:
+            replaced = self.lora_requests.get(lora_name)
+            if replaced is not None and not load_inplace:
                 raise ServingError(
-                    f"The lora adapter '{lora_name}' has already been loaded.",
+                    f"The lora adapter '{lora_name}' has already been loaded. If you want to "
+                    "load the adapter in place, set 'load_inplace' to True.",
                     400,
                     "lora_name",
                     "InvalidUserInput",
@@ -147,8 +157,13 @@ class OpenAIServingModels:
             )
             try:
                 await self.engine.add_lora(lora)
-            except (EngineDeadError, TimeoutError):
-                raise  # the engine's trouble, not the adapter's: a 503 or 500
+            except EngineDeadError:
+                raise  # the engine's trouble, not the adapter's: a 503
+            except TimeoutError:
+                # The engine may still add it: removed again (the id is never reused).
+                with contextlib.suppress(Exception):
+                    await self.engine.remove_lora(lora.lora_int_id)
+                raise
             except Exception as e:  # the folder refused (rank, weights, config), as vLLM: a 400
                 # vLLM's one 404 among the load errors, for an adapter it cannot find at all.
                 missing = "No adapter found" in str(e)
@@ -159,6 +174,8 @@ class OpenAIServingModels:
                     "NotFoundError" if missing else "BadRequestError",
                 ) from None
             self.lora_requests[lora_name] = lora
+            if replaced is not None:
+                await self.engine.remove_lora(replaced.lora_int_id)
         logger.info(
             "loaded LoRA adapter %r (id %d) from %s", lora_name, lora.lora_int_id, lora_path
         )
@@ -176,8 +193,18 @@ class OpenAIServingModels:
             )
         async with self._lock:
             lora = self._find(lora_name, lora_int_id)
+            try:
+                await self.engine.remove_lora(lora.lora_int_id)
+            except EngineDeadError:
+                raise
+            except Exception as e:  # the name stays served, as the engine still holds it
+                raise ServingError(
+                    f"Failed to remove lora adapter '{lora.lora_name}' from the engine: {e}",
+                    500,
+                    None,
+                    "InternalServerError",
+                ) from None
             del self.lora_requests[lora.lora_name]
-            await self.engine.remove_lora(lora.lora_int_id)
         logger.info("removed LoRA adapter %r (id %d)", lora.lora_name, lora.lora_int_id)
         return f"Success: LoRA adapter '{lora.lora_name}' removed successfully."
 

@@ -226,13 +226,21 @@ def test_load_use_unload_then_unknown(server, client, paths) -> None:
     # Loaded again (a new id), it serves again.
     post(server, "load_lora_adapter", {"lora_name": "dyn", "lora_path": paths["a16"]})
     assert complete(client, "dyn") == complete(client, "a16")
+    # Loaded in place (vLLM's load_inplace): the name now serves the other adapter's weights.
+    inplace = {"lora_name": "dyn", "lora_path": paths["a8"], "load_inplace": True}
+    assert post(server, "load_lora_adapter", inplace).status_code == 200
+    assert complete(client, "dyn") == a8_text
+    assert [c.id for c in client.models.list().data].count("dyn") == 1
     assert post(server, "unload_lora_adapter", {"lora_name": "dyn"}).status_code == 200
 
 
 def test_load_and_unload_errors_as_vllm_answers_them(server, client, paths) -> None:
     duplicate = post(server, "load_lora_adapter", {"lora_name": "a8", "lora_path": paths["a16"]})
     assert duplicate.status_code == 400
-    assert error_of(duplicate)["message"] == "The lora adapter 'a8' has already been loaded."
+    assert error_of(duplicate)["message"] == (
+        "The lora adapter 'a8' has already been loaded. If you want to load the adapter in "
+        "place, set 'load_inplace' to True."
+    )
     assert error_of(duplicate)["type"] == "InvalidUserInput"
     for body in (
         {"lora_name": "x"},
@@ -252,6 +260,12 @@ def test_load_and_unload_errors_as_vllm_answers_them(server, client, paths) -> N
         assert refused.status_code == 400, refused.text
         assert words in error_of(refused)["message"]
         assert error_of(refused)["type"] == "BadRequestError"
+    gone = post(server, "load_lora_adapter", {"lora_name": "gone", "lora_path": "/no/such/dir"})
+    assert gone.status_code == 404, gone.text
+    assert (
+        error_of(gone)["message"] == "Loading lora gone failed: No adapter found for /no/such/dir"
+    )
+    assert error_of(gone)["type"] == "NotFoundError"
     unknown = post(server, "unload_lora_adapter", {"lora_name": "nope"})
     assert unknown.status_code == 404
     assert error_of(unknown)["message"] == "The lora adapter 'nope' cannot be found."

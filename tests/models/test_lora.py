@@ -10,6 +10,7 @@ the error while others go on."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -190,6 +191,72 @@ def test_adapters_added_listed_removed_and_refused(setup, tmp_path) -> None:
         llm.shutdown()
 
 
+def test_removed_while_running_finishes_with_it_then_leaves_the_workers(setup, tmp_path) -> None:
+    """An adapter removed (and its folder deleted) while a request runs it: the request ends
+    with peft's tokens (no step reads the folder again), the adapter is no longer listed,
+    and the workers drop it once the request ends."""
+    path, adapters, cases, expected = setup
+    folder = shutil.copytree(adapters["r8"].lora_path, tmp_path / "r8")
+    r8 = LoRARequest("r8", 1, str(folder))
+    llm = LLM(path, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1,
+              max_lora_rank=16, skip_tokenizer_init=True, max_model_len=128,
+              multiprocess=False)  # fmt: skip
+    try:
+        engine = llm.llm_engine
+        core = engine.client.engine_core
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        engine.add_request("a", {"prompt_token_ids": cases[1][0]}, params, lora_request=r8)
+        produced = engine.step()
+        assert engine.has_unfinished_requests()
+        assert llm.remove_lora(1) is True and llm.list_loras() == set()
+        shutil.rmtree(folder)
+        assert _in_workers(core) == [{1}]  # still running it
+        # Another adapter's request meanwhile: it waits for the one slot until "a" ends.
+        engine.add_request("b", {"prompt_token_ids": cases[2][0]}, params,
+                           lora_request=adapters["r16"])  # fmt: skip
+        while engine.has_unfinished_requests():
+            produced += engine.step()
+        final = {o.request_id: o for o in produced if o.finished}
+        assert final["a"].outputs[0].token_ids == expected[1]
+        assert final["b"].outputs[0].token_ids == expected[2]
+        assert _in_workers(core) == [{2}]
+        assert llm.list_loras() == {2}
+    finally:
+        llm.shutdown()
+
+
+def _in_workers(core) -> list[set[int]]:
+    return [set(ids) for ids in core.executor.collective_rpc("list_loras")]
+
+
+def test_adapter_of_another_model_is_refused_when_added(setup, tmp_path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path, adapters, cases, expected = setup
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2))  # fmt: skip
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=MODULES, init_lora_weights=False)
+    peft.get_peft_model(other, config).save_pretrained(str(tmp_path / "other"))
+    llm = LLM(path, dtype="float32", enable_lora=True, max_lora_rank=16,
+              skip_tokenizer_init=True, max_model_len=128)  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match=r"do not fit the model's layer.*another base model"):
+            llm.add_lora(LoRARequest("other", 5, str(tmp_path / "other")))
+        with pytest.raises(ValueError, match="No adapter found for /no/such/folder"):
+            llm.add_lora(LoRARequest("gone", 6, "/no/such/folder"))
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate(
+            [{"prompt_token_ids": cases[1][0]}] * 2, params, use_tqdm=False,
+            lora_request=[LoRARequest("other", 5, str(tmp_path / "other")), adapters["r8"]],
+        )  # fmt: skip
+        assert outputs[0].outputs[0].finish_reason == "error" or outputs[0].error
+        assert outputs[1].outputs[0].token_ids == expected[1]
+        assert llm.list_loras() == {1}
+    finally:
+        llm.shutdown()
+
+
 def test_lora_off_refuses_adapters(setup) -> None:
     path, adapters, cases, _ = setup
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=128)
@@ -211,8 +278,8 @@ def test_smollm2_async_adapter_with_structured_outputs(smollm2_path: str, tmp_pa
     from tokenmill import AsyncLLM
     from tokenmill.protocol.messages import StructuredOutputsParams
 
-    adapter = LoRARequest("smol", 1, make_adapter(smollm2_path, tmp_path / "smol", 8, seed=4,
-                                                  modules=["q_proj", "v_proj", "down_proj"]))  # fmt: skip
+    modules = ["q_proj", "v_proj", "down_proj"]
+    adapter = LoRARequest("smol", 1, make_adapter(smollm2_path, tmp_path / "smol", 8, 4, modules))
     prompt = [1, 504, 3458, 282, 4649, 314, 253]  # any ids: no tokenizer is needed to compare
     expected = peft_greedy(smollm2_path, adapter.lora_path, prompt, MAX_TOKENS)
     base_expected = peft_greedy(smollm2_path, None, prompt, MAX_TOKENS)

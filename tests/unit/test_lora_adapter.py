@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import msgspec
 import pytest
@@ -19,7 +20,7 @@ peft = pytest.importorskip("peft")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tokenmill.protocol.lora import LoRARequest  # noqa: E402
-from tokenmill.worker.lora.adapter import load_lora_model  # noqa: E402
+from tokenmill.worker.lora.adapter import adapter_folder, load_lora_model  # noqa: E402
 from tokenmill.worker.models.llama import LlamaForCausalLM as OurLlama  # noqa: E402
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -108,6 +109,43 @@ def test_folders_without_weights_are_refused(tmp_path) -> None:
         load_lora_model(str(tmp_path), 16, PACKED)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"r": None}, "Missing required configuration fields: ['r']"),
+        ({"lora_alpha": None}, "Missing required configuration fields: ['lora_alpha']"),
+        ({"r": 0}, "r must be a positive integer, got 0"),
+        ({"r": "8"}, "r must be a positive integer, got '8'"),
+        ({"lora_alpha": "x"}, "lora_alpha must be a number, got 'x'"),
+    ],
+)
+def test_config_fields_are_checked_by_name(tmp_path, change, message) -> None:
+    make_adapter(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_lora_model(str(tmp_path), 16, PACKED)
+
+
+def test_unreadable_weights_and_missing_folders_are_value_errors(tmp_path) -> None:
+    make_adapter(tmp_path)
+    weights = tmp_path / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short
+    with pytest.raises(ValueError, match="adapter_model.safetensors cannot be read"):
+        load_lora_model(str(tmp_path), 16, PACKED)
+    with pytest.raises(ValueError, match="^Loading lora x failed: No adapter found for /no/such"):
+        adapter_folder("x", "/no/such")
+    with pytest.raises(ValueError, match="lora_path cannot be empty"):
+        adapter_folder("x", "")
+    home = os.path.expanduser("~")
+    assert adapter_folder("x", "~") == home
+
+
 def test_lora_request_is_vllms() -> None:
     request = LoRARequest("sql", 1, "/adapters/sql")
     assert request == LoRARequest("sql", 2) and request != LoRARequest("chat", 1)
@@ -118,6 +156,18 @@ def test_lora_request_is_vllms() -> None:
         1,
         "/adapters/sql",
     )
+    assert (request.name, request.adapter_id, request.path) == ("sql", 1, "/adapters/sql")
+    # Prefix-cache keys: by id too (a reloaded adapter gets a new one), never ambiguous.
+    salts = {
+        r.cache_salt
+        for r in (
+            request,
+            LoRARequest("sql", 2, "/adapters/sql"),
+            LoRARequest("a:b", 1, "c"),
+            LoRARequest("a", 1, "b:c"),
+        )
+    }
+    assert len(salts) == 4
     for bad in (0, -1):
         with pytest.raises(ValueError, match="lora_int_id must be > 0"):
             LoRARequest("x", bad)

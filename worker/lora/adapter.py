@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 # The projections LoRA may target (PEFT's names, as HF's Llama-family checkpoints call them).
@@ -40,6 +41,16 @@ class LoRAModel:
     rank: int
     scaling: float
     layers: dict[tuple[str, str | int | None], LoRALayerWeights]
+
+
+def adapter_folder(lora_name: str, lora_path: str) -> str:
+    """The folder a LoRARequest's path names (`~` expanded); vLLM's errors where it names none."""
+    if not lora_path:
+        raise ValueError(f"lora_path cannot be empty (adapter {lora_name!r})")
+    path = os.path.expanduser(lora_path)
+    if not os.path.exists(path):
+        raise ValueError(f"Loading lora {lora_name} failed: No adapter found for {lora_path}")
+    return path
 
 
 def read_adapter_config(path: str, max_lora_rank: int) -> dict:
@@ -71,7 +82,14 @@ def read_adapter_config(path: str, max_lora_rank: int) -> dict:
     if config.get("bias", "none") != "none":
         raise ValueError(f"{path}: the adapter trains biases (bias={config['bias']!r}), which "
                          "is not supported")  # fmt: skip
-    rank = int(config.get("r", 8))
+    missing = [key for key in ("r", "lora_alpha", "target_modules") if key not in config]
+    if missing:
+        raise ValueError(f"{config_path}: Missing required configuration fields: {missing}")
+    rank, alpha = config["r"], config["lora_alpha"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"{config_path}: r must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise ValueError(f"{config_path}: lora_alpha must be a number, got {alpha!r}")
     if rank > max_lora_rank:
         raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}.")
     return config
@@ -89,10 +107,12 @@ def load_lora_model(
             raise ValueError(f"{path} holds adapter_model.bin (a pickle), which is never "
                              f"loaded; save the adapter with safetensors")  # fmt: skip
         raise ValueError(f"{path} doesn't contain tensors ({_WEIGHTS} is missing)")
-    rank = int(config.get("r", 8))
-    alpha = float(config.get("lora_alpha", rank))
+    rank, alpha = config["r"], float(config["lora_alpha"])
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = load_file(weights_path)
+    try:
+        tensors = load_file(weights_path)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights_path} cannot be read: {e}") from None
     if not tensors:
         raise ValueError(f"{path} doesn't contain tensors")
     pairs: dict[str, dict[str, torch.Tensor]] = {}

@@ -47,6 +47,24 @@ def layer_slices(layer: LinearBase) -> list[SliceRows]:
     return [(None, first, width)]
 
 
+def full_shape(layer: LinearBase) -> tuple[int, list[int]]:
+    """The whole (unsharded) layer's input width and its slices' output rows, which an
+    adapter's A [r, in] and B [out, r] are read as."""
+    from tokenmill.worker.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    tp = layer.tp_size
+    if isinstance(layer, RowParallelLinear):
+        return layer.in_features * tp, [layer.out_features]
+    if isinstance(layer, QKVParallelLinear):
+        kv_heads = layer.num_kv_heads * tp // layer.kv_replicas
+        q, kv = layer.num_heads * tp * layer.head_size, kv_heads * layer.head_size
+        return layer.in_features, [q, kv, kv]
+    sizes = getattr(layer, "output_sizes", None)
+    if sizes is not None:
+        return layer.in_features, list(sizes)
+    return layer.in_features, [layer.out_features * (1 if layer.tp_dim is None else tp)]
+
+
 class LoRALayer:
     """Slots for `max_loras` adapters on one linear layer: a_stacked [S, slices * R, K] in
     the model's dtype (slice i's A in rows i*R .. i*R + rank, zeros below a smaller rank),
@@ -66,6 +84,7 @@ class LoRALayer:
         from tokenmill.worker.layers.linear import RowParallelLinear
 
         self.slices = layer_slices(base)
+        self.full_in, self.full_rows = full_shape(base)
         self.row_parallel = isinstance(base, RowParallelLinear)
         self.in_features = in_features = base.in_features  # on this rank
         self.tp_rank = base.tp_rank
@@ -83,6 +102,22 @@ class LoRALayer:
         self.offsets = [
             sum(rows for _, _, rows in self.slices[:i]) for i in range(len(self.slices))
         ]
+
+    def check(self, name: str, weights: dict[str | int | None, LoRALayerWeights]) -> None:
+        """A ValueError naming the module where an adapter's matrices do not fit the whole
+        layer (an adapter of another base model): refused when it is added, not in a step."""
+        for (slice_id, _, _), rows in zip(self.slices, self.full_rows):
+            pair = weights.get(slice_id)
+            if pair is None:
+                continue
+            a, b = tuple(pair.lora_a.shape), tuple(pair.lora_b.shape)
+            if a[1] != self.full_in or b[0] != rows:
+                part = "" if slice_id is None else f" (slice {slice_id})"
+                raise ValueError(
+                    f"{name}{part}: the adapter's lora_A {list(a)} and lora_B {list(b)} do not "
+                    f"fit the model's layer (lora_A [r, {self.full_in}], lora_B [{rows}, r]): "
+                    "is the adapter made for another base model?"
+                )
 
     def set_slot(self, slot: int, weights: dict[str | int | None, LoRALayerWeights]) -> None:
         """Slot `slot` holds these slices' matrices (PEFT's A [r, in], B [out, r], whole:

@@ -15,7 +15,12 @@ from torch import nn
 
 from tokenmill.protocol.lora import LoRAConfig, LoRARequest
 from tokenmill.worker.layers.linear import LinearBase
-from tokenmill.worker.lora.adapter import LoRALayerWeights, LoRAModel, load_lora_model
+from tokenmill.worker.lora.adapter import (
+    LoRALayerWeights,
+    LoRAModel,
+    adapter_folder,
+    load_lora_model,
+)
 from tokenmill.worker.lora.layers import LoRALayer
 
 # The layers adapters may target, by tokenmill's module names (PEFT's q/k/v and gate/up are
@@ -124,22 +129,31 @@ class LoRAManager:
             self.host.move_to_end(lora_id)
             return model
         request = self.added[lora_id]
-        model = load_lora_model(request.lora_path, self.config.max_lora_rank, self.packed)
+        path = adapter_folder(request.lora_name, request.lora_path)
+        model = load_lora_model(path, self.config.max_lora_rank, self.packed)
         unknown = {name for name, _ in model.layers} - self.layers.keys()
         if unknown:
             raise ValueError(
                 f"{request.lora_path}: the adapter targets {sorted(unknown)[0]!r}, which this "
                 f"model does not have (LoRA targets {', '.join(TARGET_LAYERS)})"
             )
+        for name, weights in _by_layer(model).items():
+            self.layers[name].check(name, weights)
         self.host[lora_id] = model
         while len(self.host) > self.config.max_cpu_loras:
             self.host.popitem(last=False)
         return model
 
     def _load_slot(self, slot: int, model: LoRAModel) -> None:
-        by_layer: dict[str, dict[str | int | None, LoRALayerWeights]] = {}
-        for (name, slice_id), weights in model.layers.items():
-            by_layer.setdefault(name, {})[slice_id] = weights
+        by_layer = _by_layer(model)
         for name, layer in self.layers.items():
             layer.set_slot(slot, by_layer.get(name, {}))
         self.scales[slot] = model.scaling
+
+
+def _by_layer(model: LoRAModel) -> dict[str, dict[str | int | None, LoRALayerWeights]]:
+    """The adapter's matrices by layer, then by slice."""
+    by_layer: dict[str, dict[str | int | None, LoRALayerWeights]] = {}
+    for (name, slice_id), weights in model.layers.items():
+        by_layer.setdefault(name, {})[slice_id] = weights
+    return by_layer

@@ -22,6 +22,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     # Optional here so that a missing field gets vLLM's message (both must be given).
     lora_name: str = ""
     lora_path: str = ""
+    load_inplace: bool = False  # read a loaded name again, replacing it
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -31,7 +32,9 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: State) -> PlainTextResponse:
-    message = await state.models.load_lora_adapter(body.lora_name, body.lora_path)
+    message = await state.models.load_lora_adapter(
+        body.lora_name, body.lora_path, load_inplace=body.load_inplace
+    )
     return PlainTextResponse(message)
 
 
