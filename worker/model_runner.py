@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
-from tokenmill.kernels.batch_invariant import set_batch_invariant
+from tokenmill.kernels.batch_invariant import batch_invariant, set_batch_invariant
 from tokenmill.kernels.punica import LoRAMapping
 from tokenmill.protocol import envs
 from tokenmill.protocol.config import EngineConfig
@@ -90,10 +90,12 @@ class ModelRunner:
         self.use_triton = config.device_config.attention_backend == "TRITON_ATTN"
         # Before anything is built: the kernels read the mode (kernels/batch_invariant.py).
         set_batch_invariant(config.batch_invariant)
-        if config.batch_invariant and not self.use_triton and not self.platform.cpu_kernels():
+        if config.batch_invariant and self.layer_kernels() == "native":
             logger.warning(
-                "batch_invariant=True without tokenmill's CPU kernels (or Triton): the torch "
-                "path runs, whose results still depend on the batch"
+                "batch_invariant=True without tokenmill's CPU kernels (or Triton; they take "
+                "fp32 and bf16, not %s): the torch path runs, whose results still depend on "
+                "the batch",
+                config.model_config.dtype,
             )
         self.attn_backend = make_attention_backend(config, device)
         self.model: torch.nn.Module | None = None
@@ -725,9 +727,16 @@ def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> Logp
     chosen_lp = logprobs.gather(1, chosen)
     ranks = (logprobs >= chosen_lp).sum(dim=-1)
     if k > 0:
-        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-        chosen = torch.cat((chosen, top.indices), dim=1)
-        chosen_lp = torch.cat((chosen_lp, top.values), dim=1)
+        k = min(k, logprobs.shape[-1])
+        if batch_invariant():
+            # Ties (common among bf16 logits) in token order: a request's top n are then the
+            # same whatever the largest k asked for in its step (topk's ties depend on k).
+            values, indices = logprobs.sort(dim=-1, descending=True, stable=True)
+            values, indices = values[:, :k], indices[:, :k]
+        else:
+            values, indices = logprobs.topk(k, dim=-1)
+        chosen = torch.cat((chosen, indices), dim=1)
+        chosen_lp = torch.cat((chosen_lp, values), dim=1)
     return LogprobsArrays(
         token_ids=chosen.to(torch.int32).cpu().numpy(),
         logprobs=chosen_lp.cpu().numpy(),

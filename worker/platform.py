@@ -204,6 +204,14 @@ class CpuPlatform(Platform):
         if packed < len(matmuls):
             kind = "tokenmill's CPU kernels" if own else "oneDNN"
             logger.info("%d of %d matmul weights packed for %s", packed, len(matmuls), kind)
+        if batch_invariant() and own:
+            variant = variant_layers(model)
+            if variant:
+                logger.warning(
+                    "batch_invariant=True: %d layers run kernels that choose their blocking by "
+                    "the row count, so outputs through them still depend on the batch (%s%s)",
+                    len(variant), ", ".join(variant[:3]), ", ..." if len(variant) > 3 else "",
+                )  # fmt: skip
         if widened:
             logger.info(
                 "this CPU has no bf16 GEMM: %d bf16 matmul weights widened to fp32 (bf16 "
@@ -339,6 +347,26 @@ def cpu_kernels_in_use() -> bool:
             raise ValueError(f"TOKENMILL_CPU_ISA must be one of {sorted(cpu.ISAS)}, got {cap!r}")
         cpu.limit_isa(cpu.ISAS[cap])
     return True
+
+
+def variant_layers(model: torch.nn.Module) -> list[str]:
+    """The CPU layers that the batch-invariant mode cannot cover, by name: matmul weights
+    tokenmill's layout does not take (N not a multiple of 16, K odd in bf16: oneDNN runs
+    them) and unquantized MoE experts (torch's batched matmuls)."""
+    from tokenmill.worker.layers.embedding import ParallelLMHead
+    from tokenmill.worker.layers.fused_moe import FusedMoE
+    from tokenmill.worker.layers.linear import LinearBase
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            weight = module.weight
+            own = weight.dim() > 2 and not weight.is_mkldnn
+            if getattr(module, "qweight", None) is None and not own:
+                found.append(name)
+        elif isinstance(module, FusedMoE) and module.gguf_experts is None:
+            found.append(f"{name} (experts)")
+    return found
 
 
 def platform_of(device: torch.device | str) -> Platform:

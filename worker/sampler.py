@@ -173,7 +173,10 @@ def apply_top_k_top_p(
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
+        # Only rows that ask (top_p < 1): a row of 1.0 beside them would lose the tail whose
+        # cumulative sum rounds to 1 (and its draws would depend on its neighbours).
+        outside = (before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 

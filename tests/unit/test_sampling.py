@@ -86,6 +86,33 @@ def test_top_k_top_p_match_brute_force() -> None:
         assert torch.equal(masked[row][list(kept)], logits[row][list(kept)])
 
 
+def test_top_p_leaves_rows_without_it_whole() -> None:
+    """A row of top_p = 1 beside one of 0.5 keeps every token, also the tail whose cumulative
+    probability rounds to 1 in fp32 (one dominant token, 999 of about 2e-9 each)."""
+    logits = torch.zeros(2, 1000)
+    logits[:, 7] = 20.0
+    masked = apply_top_k_top_p(logits.clone(), None, torch.tensor([1.0, 0.5]))
+    assert torch.equal(masked[0], logits[0])
+    assert torch.nonzero(masked[1] > float("-inf")).flatten().tolist() == [7]
+
+
+def test_top_logprobs_in_the_batch_invariant_mode_break_ties_by_token_id() -> None:
+    """In the mode a row's top n do not depend on the largest k of its step: ties (bf16
+    logits have many) come in token order, so the first 2 of a top 5 are the top 2."""
+    from tokenmill.kernels.batch_invariant import set_batch_invariant
+    from tokenmill.worker.model_runner import compute_logprobs
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0, 1.0, 3.0, 2.0]])
+    chosen = torch.tensor([2])
+    set_batch_invariant(True)  # (tests/conftest.py turns it off after each test)
+    five, two = compute_logprobs(logits, chosen, 5), compute_logprobs(logits, chosen, 2)
+    assert five.token_ids[0].tolist() == [2, 1, 3, 4, 6, 7]  # the chosen one, then the top 5
+    assert two.token_ids[0].tolist() == [2, 1, 3]
+    assert five.ranks[0] == two.ranks[0] == 7  # tokens at least as likely as token 2
+    lse = torch.logsumexp(logits[0], 0)
+    assert five.logprobs[0][1] == pytest.approx((logits[0, 1] - lse).item(), abs=1e-6)
+
+
 def _meta(rows: int, **kwargs) -> SamplingMetadata:
     defaults = dict(
         temperature=torch.ones(rows),
