@@ -191,3 +191,18 @@ def test_the_switch_reaches_the_kernels() -> None:
     bi.set_batch_invariant(False)
     differs = [not torch.equal(first_of(rows[:1]), first_of(rows[:1] * n)) for n in (2, 3, 5)]
     assert any(differs), "the mode off never split differently by batch: not a test of it"
+
+
+def test_layers_the_mode_cannot_cover_are_named() -> None:
+    """A weight the packed layout does not take (N = 300, not a multiple of 16) stays on
+    oneDNN, which blocks by the row count: variant_layers names it (the engine warns), and
+    not the packed one beside it."""
+    from tokenmill.worker.layers.embedding import ParallelLMHead
+    from tokenmill.worker.layers.linear import ColumnParallelLinear, pack_cpu_weights
+    from tokenmill.worker.platform import variant_layers
+
+    model = torch.nn.Module()
+    model.proj = ColumnParallelLinear(96, 160, bias=False)
+    model.lm_head = ParallelLMHead(300, 96)
+    pack_cpu_weights([model.proj, model.lm_head], own_kernels=True)
+    assert variant_layers(model) == ["lm_head"]
