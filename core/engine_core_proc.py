@@ -40,6 +40,7 @@ from tokenmill.core.engine_core import EngineCore
 from tokenmill.protocol import envs
 from tokenmill.protocol.codec import DecodeError, Decoder, Encoder
 from tokenmill.protocol.config import EngineConfig
+from tokenmill.protocol.lora import LoRARequest
 from tokenmill.protocol.messages import (
     LIVE_REQUEST_IDS,
     PROTOCOL_VERSION,
@@ -60,7 +61,8 @@ from tokenmill.protocol.process import close_sockets, remove_dir, watch_parent
 
 logger = logging.getLogger(__name__)
 
-# Utility methods a client may call on the core, by name.
+# Utility methods a client may call on the core, by name (the LoRA ones with its own ids).
+_LORA_UTILITIES = ("add_lora", "remove_lora", "list_loras")
 UTILITIES = (
     "get_stats", "reset_prefix_cache", "check_health", "add_lora", "remove_lora", "list_loras"
 )
@@ -141,6 +143,7 @@ class EngineCoreProc:
         self.client_timeout = CLIENT_TIMEOUT_S if parent_pid is None else None
         self.next_client_check = 0.0
         self.request_owner: dict[str, bytes] = {}
+        self.lora_ids = ClientLoRAIds()
         self.startup_error: str | None = None
         self.core: EngineCore | None = None
         self.stopped = False
@@ -345,6 +348,10 @@ class EngineCoreProc:
                 # without an output, so the live request's routing stays as it was.
                 request.request_id = _scoped(identity, request.request_id)
                 self.request_owner[request.request_id] = identity
+                lora = request.lora_request
+                if lora is not None:
+                    core_id = self.lora_ids.core_id(identity, lora.lora_int_id)
+                    request.lora_request = msgspec.structs.replace(lora, lora_int_id=core_id)
                 self.core.add_request(request)
         elif kind == RequestType.ABORT:
             scoped = [_scoped(identity, req_id) for req_id in payload]
@@ -354,6 +361,8 @@ class EngineCoreProc:
             self.stats_dirty = True
         elif kind == RequestType.UTILITY and payload.method == LIVE_REQUEST_IDS:
             self._send(identity, OutputType.UTILITY_RESULT, self._live_ids(identity, payload))
+        elif kind == RequestType.UTILITY and payload.method in _LORA_UTILITIES:
+            self._send(identity, OutputType.UTILITY_RESULT, self._lora_utility(identity, payload))
         elif kind == RequestType.UTILITY:
             self._send(identity, OutputType.UTILITY_RESULT, self._utility(payload))
 
@@ -382,6 +391,24 @@ class EngineCoreProc:
             return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
         try:
             result = getattr(self.core, call.method)(*call.args)
+            return UtilityResult(call.call_id, result=result)
+        except Exception as e:
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _lora_utility(self, identity: bytes, call: UtilityCall) -> UtilityResult:
+        """add_lora, remove_lora and list_loras with the client's own adapter ids."""
+        assert self.core is not None
+        ids = self.lora_ids
+        try:
+            if call.method == "add_lora":
+                lora = msgspec.convert(call.args[0], LoRARequest)
+                core_id = ids.core_id(identity, lora.lora_int_id)
+                result: Any = self.core.add_lora(msgspec.structs.replace(lora, lora_int_id=core_id))
+            elif call.method == "remove_lora":
+                # (0, which no adapter has, for an id this client never used: False)
+                result = self.core.remove_lora(ids.core_id(identity, call.args[0], new=False))
+            else:
+                result = ids.client_ids(identity, self.core.list_loras())
             return UtilityResult(call.call_id, result=result)
         except Exception as e:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
@@ -457,6 +484,10 @@ class EngineCoreProc:
             del self.request_owner[req_id]
         if self.core is not None:
             self.core.abort_requests(orphans)
+            gone = self.lora_ids.forget(identity)
+            if self.core.config.lora_config is not None:
+                for core_id in gone:  # its adapters go with it
+                    self.core.remove_lora(core_id)
         self.stats_dirty = True
         logger.warning(
             "client %s is gone (%s); aborted its %d requests", identity.hex(), reason, len(orphans)
@@ -507,6 +538,40 @@ def _request_id_of(item: Any) -> str | None:
 
 def _scoped(identity: bytes, request_id: str) -> str:
     return f"{identity.hex():0>16.16}/{request_id}"
+
+
+class ClientLoRAIds:
+    """LoRA adapter ids are the clients' own, as request ids are: inside the core each
+    (client, lora_int_id) gets an id of its own, so that two frontends of one daemon may
+    both number their adapters from 1 (each server does) without taking each other's."""
+
+    def __init__(self) -> None:
+        self.to_core: dict[tuple[bytes, int], int] = {}
+        self.to_client: dict[int, tuple[bytes, int]] = {}
+        self.next_id = 1
+
+    def core_id(self, identity: bytes, lora_id: int, new: bool = True) -> int:
+        """The core's id for this client's adapter (0 if it has none and `new` is False)."""
+        key = (identity, lora_id)
+        if key not in self.to_core:
+            if not new:
+                return 0
+            self.to_core[key], self.to_client[self.next_id] = self.next_id, key
+            self.next_id += 1
+        return self.to_core[key]
+
+    def client_ids(self, identity: bytes, core_ids: list[int]) -> list[int]:
+        """Of the core's adapters, this client's, by its own ids."""
+        owners = (self.to_client.get(core_id) for core_id in core_ids)
+        return sorted(key[1] for key in owners if key is not None and key[0] == identity)
+
+    def forget(self, identity: bytes) -> list[int]:
+        """Drops a client's ids; returns the core's ids it had."""
+        gone = [key for key in self.to_core if key[0] == identity]
+        core_ids = [self.to_core.pop(key) for key in gone]
+        for core_id in core_ids:
+            del self.to_client[core_id]
+        return core_ids
 
 
 def _process_age() -> float:

@@ -66,6 +66,54 @@ def test_two_clients_get_their_own_outputs(tiny_model) -> None:
                 client.shutdown()
 
 
+def test_two_clients_number_their_lora_adapters_alike(tiny_model, tmp_path) -> None:
+    """Each frontend of one daemon calls its own adapter 1 (as each server numbers them):
+    both are served, each client lists and removes only its own, and each gets what an
+    in-process engine gives with that adapter."""
+    import json
+    from pathlib import Path
+
+    from tokenmill import LoRARequest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from bench_throughput import write_adapter
+
+    path = tiny_model("llama-gqa")
+    config = json.loads((path / "config.json").read_text())
+    adapters = [LoRARequest(f"a{i}", 1, write_adapter(tmp_path / f"a{i}", config, 8, seed=i,
+                                                      b_scale=0.5)) for i in range(2)]  # fmt: skip
+    lora_args = dict(enable_lora=True, max_lora_rank=8, max_loras=2)
+    local = LLM(str(path), multiprocess=False, skip_tokenizer_init=True, dtype="float32",
+                kv_cache_memory_bytes=32 << 20, **lora_args)  # fmt: skip
+    try:
+        expected = [[o.outputs[0].token_ids for o in local.generate(
+            PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest(a.lora_name, i + 1,
+                                                                      a.lora_path))]
+            for i, a in enumerate(adapters)]  # fmt: skip
+    finally:
+        local.shutdown()
+    assert expected[0] != expected[1]
+    flags = ["--enable-lora", "true", "--max-lora-rank", "8", "--max-loras", "2"]
+    with running_daemon(path, *flags) as (_, address):
+        clients = [LLM(engine_address=address) for _ in range(2)]
+        try:
+            for client, adapter in zip(clients, adapters):
+                assert client.add_lora(adapter) is True
+                assert client.list_loras() == {1}
+            for i in (1, 0):
+                outs = clients[i].generate(PROMPTS, GREEDY, use_tqdm=False,
+                                           lora_request=adapters[i])  # fmt: skip
+                assert [o.outputs[0].token_ids for o in outs] == expected[i]
+            assert clients[0].remove_lora(1) is True and clients[0].list_loras() == set()
+            assert clients[1].list_loras() == {1}
+            outs = clients[1].generate(PROMPTS[:1], GREEDY, use_tqdm=False,
+                                       lora_request=adapters[1])  # fmt: skip
+            assert outs[0].outputs[0].token_ids == expected[1][0]
+        finally:
+            for client in clients:
+                client.shutdown()
+
+
 def test_killed_daemon_fails_every_client(tiny_model) -> None:
     with running_daemon(tiny_model("llama-gqa")) as (proc, address):
         clients = [LLM(engine_address=address) for _ in range(2)]
