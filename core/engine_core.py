@@ -440,13 +440,8 @@ class EngineCore:
             del self._loras_leaving[lora_id]
             self.loras[lora_id] = leaving
             return True
-        try:
-            self.executor.collective_rpc("add_lora", args=(lora_request,), timeout=_LORA_RPC_S)
-        except RuntimeError as e:  # a worker process's error, as text
-            _, found, message = str(e).partition("ValueError: ")
-            if found:
-                raise ValueError(message) from None
-            raise
+        # A worker's ValueError (rank, folder, shapes) comes back as one.
+        self.executor.collective_rpc("add_lora", args=(lora_request,), timeout=_LORA_RPC_S)
         self.loras[lora_request.lora_int_id] = lora_request
         return True
 

@@ -41,6 +41,9 @@ class RpcReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  
     call_id: int
     rank: int
     ok: bool = True  # False: the payload is the error's text
+    # A failed call's error, when it is the caller's (a ValueError: an argument the worker
+    # refused): the executor raises it as that type, as a call in the core's process would.
+    error_type: str = ""
 
 
 def rpc_method(cls: type, method: str) -> Any:

@@ -5,7 +5,8 @@ It pulls calls from its own socket and pushes replies to the executor's (protoco
 joins the torch.distributed group, loads its shard of the weights (all ranks at once), and
 reports ready or the error that stopped it. Then it serves `collective_rpc` calls in order
 until told to shut down. A call that raises is answered with the error's text (and logged
-with its traceback here). Replies leave from a thread of their own, in the calls' order: a
+with its traceback here); a ValueError (an argument refused: an adapter's rank, say) also
+with its type, which the executor raises again. Replies leave from a thread of their own, in the calls' order: a
 step under async scheduling returns a Future once queued on the runner's device thread, and
 this process goes on to the next call while the reply waits for it. The process exits on its
 own within a second of its parent's death, removing the executor's socket directory on the way
@@ -105,7 +106,9 @@ class WorkerProc:
                 except Exception as e:
                     logger.exception("worker rank %d: %s failed", self.rank, call.method)
                     result = e
-            if isinstance(result, Exception):
+            if type(result) is ValueError:  # an argument refused: the type travels
+                self._reply(call.call_id, False, str(result), "ValueError")
+            elif isinstance(result, Exception):
                 self._reply(call.call_id, False, _error_text(result))
             elif call.reply_rank is None or call.reply_rank == self.rank:
                 self._reply(call.call_id, True, result)
@@ -117,8 +120,8 @@ class WorkerProc:
             decoder = self.decoders[key] = Decoder(argument_type(Worker, *key))
         return decoder
 
-    def _reply(self, call_id: int, ok: bool, payload: Any) -> None:
-        header = msgspec.msgpack.encode(RpcReply(call_id, self.rank, ok))
+    def _reply(self, call_id: int, ok: bool, payload: Any, error_type: str = "") -> None:
+        header = msgspec.msgpack.encode(RpcReply(call_id, self.rank, ok, error_type))
         self.replies.send_multipart([header, *self.encoder.encode(payload)], copy=False)
 
     def close(self) -> None:

@@ -70,6 +70,12 @@ class _Call:
     results: dict[int, Any] = field(default_factory=dict)
     error: str | None = None  # the first rank's failure
     failed_at: float = 0.0
+    refused: str | None = None  # the first failure's message, if a ValueError (the caller's)
+
+    def exception(self) -> BaseException:
+        """The call's failure: a ValueError where the worker refused an argument (what a
+        call in this process would raise), else a RuntimeError naming the rank."""
+        return ValueError(self.refused) if self.refused is not None else RuntimeError(self.error)
 
 
 class MultiprocExecutor(Executor):
@@ -248,7 +254,7 @@ class MultiprocExecutor(Executor):
                 now = time.monotonic()
                 for call_id, call in list(self.calls.items()):
                     if call.error is not None and now > call.failed_at + _FAILURE_GRACE_S:
-                        self._fail(call, RuntimeError(call.error))
+                        self._fail(call, call.exception())
                         if not call.waiting_for:  # every rank has answered: done with it
                             del self.calls[call_id]
                 if deadline is not None and now > deadline:
@@ -276,6 +282,8 @@ class MultiprocExecutor(Executor):
                 if call.error is None:
                     error = msgspec.msgpack.decode(frames[0], type=str)
                     call.error = f"worker rank {reply.rank} failed in {call.method}: {error}"
+                    if reply.error_type == "ValueError":
+                        call.refused = error
                     call.failed_at = time.monotonic()
             else:
                 call.results[reply.rank] = self._decoder(call.method).decode(frames)
@@ -288,7 +296,7 @@ class MultiprocExecutor(Executor):
                     continue
                 del self.calls[reply.call_id]
                 if call.error is not None:
-                    self._fail(call, RuntimeError(call.error))
+                    self._fail(call, call.exception())
                 elif not call.future.done():
                     results = call.results
                     value = next(iter(results.values())) if call.single else [

@@ -111,6 +111,10 @@ def test_collective_rpc_futures_single_replies_and_errors(tiny_pair) -> None:
     assert executor.collective_rpc("describe_shards", unique_reply_rank=1) == ranks[1]
     with pytest.raises(RuntimeError, match=r"worker rank [01] failed in initialize_kv_cache: "):
         executor.collective_rpc("initialize_kv_cache", args=("not a config", 1))
+    # A ValueError (an argument the worker refuses) comes back as one, with its message, as
+    # a call in the core's own process would raise it.
+    with pytest.raises(ValueError, match=r"^LoRA is not enabled \(start the engine"):
+        executor.collective_rpc("remove_lora", args=(1,))
     # A call that failed alike on every rank leaves them in step: the engine still serves.
     outputs = llm.generate(TOKEN_PROMPTS[:2], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected[:2]
