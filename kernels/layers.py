@@ -1,8 +1,10 @@
-"""Triton kernels for the elementwise layers around attention: fused residual-add + RMSNorm,
-rotary embedding applied in place, SiLU-and-mul. Each computes in fp32 and rounds where its
-torch counterpart (worker/layers/) rounds, so that fp32 results agree to rounding and 16-bit
-ones to one ulp. A program takes a tile of `BLOCK_T` tokens: few programs for a small batch
-(the interpreter pays per program), enough of them for a large one.
+"""Triton kernels for the elementwise layers around attention: fused residual-add + RMSNorm
+(Llama's and Gemma's), rotary embedding applied in place, SiLU-and-mul and GeGLU. Each
+computes in fp32 and rounds where its torch counterpart (worker/layers/, worker/models/gemma.py)
+rounds, so that fp32 results agree to rounding and 16-bit ones to one ulp. Each row is reduced
+alone, in an order fixed by the row's width (batch-invariant). A program takes a tile of
+`BLOCK_T` tokens: few programs for a small batch (the interpreter pays per program), enough of
+them for a large one.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _rms_norm_kernel(
     stride_r,
     stride_o,
     HAS_RESIDUAL: tl.constexpr,
+    PLUS_ONE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -48,9 +51,12 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     # Correctly rounded, as torch's fp32 rsqrt (the fast approximations differ in the last bits).
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(xf * xf, 1) / hidden + eps))
-    y = (xf * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + cols[None, :], (y * w[None, :]).to(dtype), mask=mask)
+    if PLUS_ONE:  # Gemma: x / rms(x) * (1 + w) all in fp32, rounded once
+        y = (xf * rstd[:, None]) * (1.0 + w[None, :])
+    else:  # Llama: x / rms(x) rounded to x's dtype, then times w
+        y = (xf * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]
+    tl.store(out_ptr + t * stride_o + cols[None, :], y.to(dtype), mask=mask)
 
 
 def rms_norm(
@@ -59,9 +65,11 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    plus_one: bool = False,
 ) -> torch.Tensor:
     """RMSNorm of x [T, hidden] into `out` (default: a new tensor); with `residual`, first
-    adds x into it in place and normalizes the sum (vLLM's fused_add_rms_norm)."""
+    adds x into it in place and normalizes the sum (vLLM's fused_add_rms_norm). `plus_one`:
+    Gemma's norm, which scales by 1 + weight in fp32 (GemmaRMSNorm's arithmetic)."""
     num_tokens, hidden = x.shape
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
     out = torch.empty_like(x) if out is None else out
@@ -79,6 +87,7 @@ def rms_norm(
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         HAS_RESIDUAL=residual is not None,
+        PLUS_ONE=plus_one,
         BLOCK_T=block_t,
         BLOCK_H=triton.next_power_of_2(hidden),
     )
@@ -152,13 +161,14 @@ def rotary_embedding_(
 
 
 @triton.jit
-def _silu_and_mul_kernel(
+def _act_and_mul_kernel(
     x_ptr,
     out_ptr,
     num_tokens,
     width,
     stride_x,
     stride_o,
+    GELU_TANH: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
@@ -170,24 +180,40 @@ def _silu_and_mul_kernel(
     up = tl.load(x_ptr + t * stride_x + width + cols[None, :], mask=mask, other=0.0)
     dtype = gate.dtype
     g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype)  # rounded, as F.silu's output
+    if GELU_TANH:
+        # 0.5 g (1 + tanh(u)) for u = sqrt(2 / pi) (g + 0.044715 g^3), which is g sigmoid(2u)
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = (g / (1.0 + tl.exp(-2.0 * u))).to(dtype)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(dtype)
+    # The activation rounded to x's dtype, as F.silu's / F.gelu's output, then times up.
     tl.store(
         out_ptr + t * stride_o + cols[None, :],
-        (silu.to(tl.float32) * up.to(tl.float32)).to(dtype),
+        (act.to(tl.float32) * up.to(tl.float32)).to(dtype),
         mask=mask,
-    )  # noqa: E501
+    )
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, 2n] (gate, then up) -> silu(gate) * up, [T, n], into `out` (default: new)."""
+    return _act_and_mul(x, out, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, 2n] (gate, then up) -> gelu(gate, tanh approximation) * up (Gemma's GeGLU)."""
+    return _act_and_mul(x, out, gelu_tanh=True)
+
+
+def _act_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) -> torch.Tensor:
     num_tokens, width = x.shape[0], x.shape[1] // 2
     assert x.stride(1) == 1
     if out is None:
         out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
     block_w = min(1024, triton.next_power_of_2(width))
     block_t = _tokens_per_program(block_w)
-    count_launch("silu_and_mul")
-    _silu_and_mul_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_w))](
-        x, out, num_tokens, width, x.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_W=block_w
-    )
+    count_launch("gelu_tanh_and_mul" if gelu_tanh else "silu_and_mul")
+    _act_and_mul_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_w))](
+        x, out, num_tokens, width, x.stride(0), out.stride(0), GELU_TANH=gelu_tanh,
+        BLOCK_T=block_t, BLOCK_W=block_w,
+    )  # fmt: skip
     return out

@@ -84,10 +84,13 @@ def run(
         llm.shutdown()
 
 
-# qwen3: per-head q/k norms; gemma2: windows and soft-caps; mistral-window: every layer
+# qwen3: per-head q/k norms; gemma2: windows and soft-caps; gemma3: Gemma's per-head q/k
+# norms; mistral-window: every layer
 # slides, so blocks behind the window are freed and handed to other requests while the
 # workers' tables still name them (the kernel must skip them); qwen3-moe: the fused-MoE kernel.
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma2", "mistral-window", "qwen3-moe"])
+@pytest.mark.parametrize(
+    "name", ["llama-gqa", "qwen3", "gemma2", "gemma3", "mistral-window", "qwen3-moe"]
+)
 def test_triton_engine_matches_torch_engine(tiny_model, monkeypatch, name: str) -> None:
     monkeypatch.setenv("TOKENMILL_MULTIPROC", "0")  # in this process, to read the counters
     model = str(tiny_model(name))
@@ -101,8 +104,10 @@ def test_triton_engine_matches_torch_engine(tiny_model, monkeypatch, name: str) 
     sliding = name == "mistral-window"
     assert sliding or (stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0), stats
     assert stats["num_preemptions"] == torch_stats["num_preemptions"]
-    # (Gemma's (1 + w) norms and GeGLU run as torch ops.)
-    expected_kernels = KERNELS if not name.startswith("gemma") else KERNELS[:3] + KERNELS[4:5]
+    # Gemma: (1 + w) norms (rms_norm's plus_one) and GeGLU instead of SiLU.
+    expected_kernels = (
+        KERNELS if not name.startswith("gemma") else KERNELS[:5] + ["gelu_tanh_and_mul"]
+    )
     if name.endswith("moe"):
         expected_kernels = [*expected_kernels, "fused_moe"]
     missing = [k for k in expected_kernels if LAUNCHES[k] == 0]

@@ -106,6 +106,18 @@ def test_rms_norm_rows_are_batch_invariant(isa, dtype, d) -> None:
     _assert_rows_invariant(norm, _rows(2 * d, dtype, seed=d))
 
 
+@pytest.mark.parametrize("d", [640, 256])  # Gemma 3 270M's hidden size and head size
+def test_gemma_norm_rows_are_batch_invariant(d) -> None:
+    """Gemma's (1 + w) norm stays torch's on the CPU: its mean over a row of these widths
+    is reduced per row, in one order at every row count."""
+    from tokenmill.worker.models.gemma import GemmaRMSNorm
+
+    norm = GemmaRMSNorm(d)
+    norm.weight.data = torch.randn(d) * 0.3
+    norm = norm.to(torch.bfloat16)
+    _assert_rows_invariant(norm.forward_cpu, _rows(d, torch.bfloat16, seed=d))
+
+
 # ---------------------------------------------------------------------- decode attention
 # Contexts shorter than a part, exactly one, just past one and two, and several parts long.
 LENGTHS = [1, 17, 200, PART - 1, PART, PART + 1, 2 * PART + 1, 600, 1000, 1100]

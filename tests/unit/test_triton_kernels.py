@@ -222,6 +222,38 @@ def test_rms_norm_matches_torch(dtype, with_residual) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm_matches_torch(dtype, with_residual) -> None:
+    """plus_one: Gemma's x / rms(x) * (1 + w) in fp32, rounded once (GemmaRMSNorm), as
+    [T, hidden] rows and as per-head [T, heads, d] rows; each row's bits are its own."""
+    from tokenmill.worker.models.gemma import GemmaRMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    for shape in [(19, 96), (7, 3, 40)]:
+        norm = GemmaRMSNorm(shape[-1], eps=1e-6)
+        norm.weight.data = torch.randn(shape[-1], generator=g) * 0.5
+        norm = norm.to(dtype)
+        x = torch.randn(*shape, generator=g).to(dtype)
+        residual = torch.randn(*shape, generator=g).to(dtype)
+        rows = x.reshape(-1, shape[-1])
+        weight = norm.weight.to(DEVICE)
+        if with_residual:
+            expected, expected_residual = norm.forward_native(x.clone(), residual.clone())
+            r = residual.reshape(-1, shape[-1]).to(DEVICE)
+            out = triton_layers.rms_norm(rows.to(DEVICE), weight, 1e-6, r, poisoned(rows),
+                                         plus_one=True)  # fmt: skip
+            assert rel_error(r, expected_residual.reshape(r.shape)) < TOLERANCE[dtype]
+        else:
+            expected = norm.forward_native(x)
+            out = triton_layers.rms_norm(rows.to(DEVICE), weight, 1e-6, out=poisoned(rows),
+                                         plus_one=True)  # fmt: skip
+        assert rel_error(out, expected.reshape(out.shape)) < TOLERANCE[dtype], shape
+        if not with_residual:  # one row alone: the same bits as within the batch
+            alone = triton_layers.rms_norm(rows[2:3].to(DEVICE), weight, 1e-6, plus_one=True)
+            assert torch.equal(alone.cpu(), out[2:3].cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_in_place_matches_torch(dtype) -> None:
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, head_size = 6, 2, 32
@@ -246,6 +278,17 @@ def test_silu_and_mul_matches_torch(dtype) -> None:
     x = torch.randn(13, 2 * 80, generator=g).to(dtype)
     expected = SiluAndMul()(x.clone())
     out = triton_layers.silu_and_mul(x.to(DEVICE), out=poisoned(expected))
+    assert rel_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_torch(dtype) -> None:
+    from tokenmill.worker.models.gemma import GeluTanhAndMul
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(13, 2 * 80, generator=g) * 3).to(dtype)  # tanh's tails too
+    expected = GeluTanhAndMul().forward_native(x.clone())
+    out = triton_layers.gelu_tanh_and_mul(x.to(DEVICE), out=poisoned(expected))
     assert rel_error(out, expected) < TOLERANCE[dtype]
 
 

@@ -80,9 +80,19 @@ class GemmaRMSNorm(RMSNorm):
     def forward_triton(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.forward_native(x, residual)
+        from tokenmill.kernels.layers import rms_norm
 
-    forward_cpu = forward_triton  # the kernels normalize by w, not 1 + w
+        # Triton's kernel reduces each row alone, in one order (torch's CUDA reductions pick
+        # their split by the row count: not batch-invariant).
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # per-head q/k norms come as [T, heads, d]
+        out = rms_norm(x, self.weight, self.eps, residual, plus_one=True).view(shape)
+        return out if residual is None else (out, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_native(x, residual)  # the C++ kernel scales by w, not 1 + w
 
 
 class GeluTanhAndMul(CustomOp):
@@ -93,7 +103,11 @@ class GeluTanhAndMul(CustomOp):
         return F.gelu(gate, approximate="tanh") * up
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_native(x)
+        from tokenmill.kernels.layers import gelu_tanh_and_mul
+
+        shape = x.shape
+        out = gelu_tanh_and_mul(x.reshape(-1, shape[-1]))
+        return out.view(*shape[:-1], shape[-1] // 2)
 
 
 class GemmaAttention(nn.Module):
