@@ -492,6 +492,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"  # the slots' dtype: "auto" (the model's, the only one taken)
     # A request's logits independent of its batch (kernels/batch_invariant.py); None: the
     # TOKENMILL_BATCH_INVARIANT variable's setting.
     batch_invariant: bool | None = None
@@ -553,7 +554,7 @@ class EngineArgs:
             device_config=device_config,
             load_config=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
             speculative_config=_speculative_config(self, model_config, defaults),
-            lora_config=_lora_config(self),
+            lora_config=_lora_config(self, model_config),
             batch_invariant=invariant,
         )
 
@@ -564,9 +565,15 @@ def _batch_invariant(args: EngineArgs) -> bool:
     return envs.TOKENMILL_BATCH_INVARIANT
 
 
-def _lora_config(args: EngineArgs) -> LoRAConfig | None:
+def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
     if not args.enable_lora:
         return None
+    if args.lora_dtype not in ("auto", model.dtype):
+        # The kernels multiply an adapter in the activations' dtype (vLLM's default too).
+        raise ValueError(
+            f"lora_dtype={args.lora_dtype!r} is not supported: adapters run in the model's "
+            f"dtype ({model.dtype}); use 'auto'"
+        )
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
@@ -1051,6 +1058,7 @@ ENGINE_ARG_HELP = {
     "max_loras": "LoRA adapters in device slots: the most distinct adapters one step runs",
     "max_lora_rank": "the LoRA slots' rank; an adapter of a higher rank is refused",
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
+    "lora_dtype": "the LoRA slots' dtype: auto (the model's dtype; the only one taken)",
     "batch_invariant": "every request's logits the same bits whatever runs beside it (fixed "
     "reduction orders in every kernel; default: TOKENMILL_BATCH_INVARIANT)",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", '

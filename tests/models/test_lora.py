@@ -269,6 +269,30 @@ def test_lora_off_refuses_adapters(setup) -> None:
         llm.shutdown()
 
 
+def test_lora_settings_are_checked(setup) -> None:
+    """vLLM's LoRA engine arguments: lora_dtype takes 'auto' or the model's own dtype (the
+    kernels multiply adapters in it); a bad setting names its field and value."""
+    from tokenmill.protocol.config import EngineArgs
+
+    path = setup[0]
+
+    def config(**kwargs):
+        args = EngineArgs(model=path, dtype="float32", enable_lora=True, **kwargs)
+        return args.create_engine_config().lora_config
+
+    assert config(lora_dtype="float32") == config(lora_dtype="auto")
+    assert config(max_loras=3).max_cpu_loras == 3  # vLLM's default: max_loras
+    with pytest.raises(ValueError, match=r"lora_dtype='float16' is not supported.*float32"):
+        config(lora_dtype="float16")
+    with pytest.raises(ValueError, match=r"max_lora_rank \(24\) must be one of"):
+        config(max_lora_rank=24)
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
+        config(max_loras=2, max_cpu_loras=1)
+    # Without enable_lora the LoRA settings are not read (as vLLM).
+    off = EngineArgs(model=path, dtype="float32", lora_dtype="float16", max_lora_rank=24)
+    assert off.create_engine_config().lora_config is None
+
+
 def test_smollm2_async_adapter_with_structured_outputs(smollm2_path: str, tmp_path) -> None:
     """On the real model, through AsyncLLM: an adapter's greedy text is peft's, and a
     structured-output request under the adapter answers one of its choices, beside a base
