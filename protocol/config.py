@@ -568,7 +568,8 @@ def _batch_invariant(args: EngineArgs) -> bool:
 def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
     if not args.enable_lora:
         return None
-    if args.lora_dtype not in ("auto", model.dtype):
+    lora_dtype = str(args.lora_dtype).removeprefix("torch.")  # a torch.dtype too, as vLLM
+    if lora_dtype != "auto" and _DTYPES.get(lora_dtype) != model.dtype:
         # The kernels multiply an adapter in the activations' dtype (vLLM's default too).
         raise ValueError(
             f"lora_dtype={args.lora_dtype!r} is not supported: adapters run in the model's "

@@ -43,6 +43,10 @@ class Worker:
             "list_loras",
         }
     )
+    # Of those, the calls whose ValueError is the caller's argument refused (an adapter's
+    # rank, LoRA off): the executor raises it again as a ValueError. Any other failure, a
+    # step's above all, is the worker's (a RuntimeError naming the rank).
+    rpc_refusals = frozenset({"add_lora", "remove_lora", "list_loras"})
 
     def __init__(
         self,

@@ -5,12 +5,12 @@ It pulls calls from its own socket and pushes replies to the executor's (protoco
 joins the torch.distributed group, loads its shard of the weights (all ranks at once), and
 reports ready or the error that stopped it. Then it serves `collective_rpc` calls in order
 until told to shut down. A call that raises is answered with the error's text (and logged
-with its traceback here); a ValueError (an argument refused: an adapter's rank, say) also
-with its type, which the executor raises again. Replies leave from a thread of their own, in the calls' order: a
-step under async scheduling returns a Future once queued on the runner's device thread, and
-this process goes on to the next call while the reply waits for it. The process exits on its
-own within a second of its parent's death, removing the executor's socket directory on the way
-out.
+with its traceback here); a ValueError of a call in `Worker.rpc_refusals` (an argument
+refused: an adapter's rank, say) also with its type, which the executor raises again.
+Replies leave from a thread of their own, in the calls' order: a step under async scheduling
+returns a Future once queued on the runner's device thread, and this process goes on to the
+next call while the reply waits for it. The process exits on its own within a second of its
+parent's death, removing the executor's socket directory on the way out.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ class WorkerProc:
                 except Exception as e:
                     logger.exception("worker rank %d: %s failed", self.rank, call.method)
                     result = e
-            if type(result) is ValueError:  # an argument refused: the type travels
-                self._reply(call.call_id, False, str(result), "ValueError")
+            if type(result) is ValueError and call.method in Worker.rpc_refusals:
+                self._reply(call.call_id, False, str(result), "ValueError")  # the type travels
             elif isinstance(result, Exception):
                 self._reply(call.call_id, False, _error_text(result))
             elif call.reply_rank is None or call.reply_rank == self.rank:

@@ -68,8 +68,9 @@ class Executor(ABC):
     ) -> Any:
         """Calls `Worker.<method>(*args, **kwargs)` on every rank. Returns one result per
         rank, or only rank `unique_reply_rank`'s result; with `non_block`, a Future of that.
-        Raises TimeoutError after `timeout` seconds without every reply, and RuntimeError
-        (naming the rank) when a worker fails or dies."""
+        Raises TimeoutError after `timeout` seconds without every reply, ValueError when
+        every rank refused an argument (a call of `Worker.rpc_refusals`: an adapter that
+        cannot run), and RuntimeError (naming the rank) when a worker fails or dies."""
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """`callback(cause)` runs (on another thread) once the workers are found dead."""

@@ -70,12 +70,16 @@ class _Call:
     results: dict[int, Any] = field(default_factory=dict)
     error: str | None = None  # the first rank's failure
     failed_at: float = 0.0
-    refused: str | None = None  # the first failure's message, if a ValueError (the caller's)
+    refused: str | None = None  # the first refusal's message (a ValueError: the caller's)
+    other_failure: bool = False  # a rank failed otherwise than by refusing
 
     def exception(self) -> BaseException:
-        """The call's failure: a ValueError where the worker refused an argument (what a
-        call in this process would raise), else a RuntimeError naming the rank."""
-        return ValueError(self.refused) if self.refused is not None else RuntimeError(self.error)
+        """The call's failure: a ValueError where every rank that answered refused the
+        argument (what a call in this process would raise), else a RuntimeError naming the
+        first rank that failed (ranks that disagree are out of step: the workers' fault)."""
+        if self.refused is not None and not self.other_failure and not self.results:
+            return ValueError(self.refused)
+        return RuntimeError(self.error)
 
 
 class MultiprocExecutor(Executor):
@@ -275,15 +279,20 @@ class MultiprocExecutor(Executor):
             if call is None:
                 if not reply.ok:  # it failed where the rank that answers did not
                     error = msgspec.msgpack.decode(frames[0], type=str)
+                    if reply.error_type:
+                        error = f"{reply.error_type}: {error}"
                     self.failure = f"worker rank {reply.rank} failed (out of step): {error}"
                 continue
             call.waiting_for.discard(reply.rank)
             if not reply.ok:
+                error = msgspec.msgpack.decode(frames[0], type=str)
+                if reply.error_type:
+                    call.refused = call.refused or error
+                    error = f"{reply.error_type}: {error}"
+                else:
+                    call.other_failure = True
                 if call.error is None:
-                    error = msgspec.msgpack.decode(frames[0], type=str)
                     call.error = f"worker rank {reply.rank} failed in {call.method}: {error}"
-                    if reply.error_type == "ValueError":
-                        call.refused = error
                     call.failed_at = time.monotonic()
             else:
                 call.results[reply.rank] = self._decoder(call.method).decode(frames)

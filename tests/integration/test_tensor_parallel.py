@@ -120,6 +120,25 @@ def test_collective_rpc_futures_single_replies_and_errors(tiny_pair) -> None:
     assert [o.outputs[0].token_ids for o in outputs] == expected[:2]
 
 
+def test_a_refusal_is_a_value_error_only_when_every_answer_refused() -> None:
+    """Ranks that disagree (one refuses, another fails otherwise or succeeds) are out of
+    step, the workers' fault: a RuntimeError naming the first rank, not the caller's
+    ValueError."""
+    from concurrent.futures import Future
+
+    from tokenmill.core.executor.multiproc import _Call
+
+    def call(refused: str | None, other_failure: bool, results: dict) -> BaseException:
+        c = _Call("add_lora", Future(), set(), False, results, "worker rank 0 failed in "
+                  "add_lora: ValueError: no", 0.0, refused, other_failure)  # fmt: skip
+        return c.exception()
+
+    assert type(call("no", False, {})) is ValueError and str(call("no", False, {})) == "no"
+    assert type(call("no", True, {})) is RuntimeError
+    assert type(call("no", False, {1: True})) is RuntimeError
+    assert "worker rank 0 failed in add_lora" in str(call(None, True, {}))
+
+
 def test_a_rank_that_fails_to_start_is_named_with_its_error(tiny_model, tmp_path) -> None:
     # A config without weights: every rank builds its shard of the model, then fails to load.
     (tmp_path / "config.json").write_text((tiny_model("llama-gqa") / "config.json").read_text())

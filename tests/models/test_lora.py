@@ -269,18 +269,19 @@ def test_lora_off_refuses_adapters(setup) -> None:
         llm.shutdown()
 
 
-def test_lora_settings_are_checked(setup) -> None:
+def test_lora_settings_are_checked(tiny_model) -> None:
     """vLLM's LoRA engine arguments: lora_dtype takes 'auto' or the model's own dtype (the
     kernels multiply adapters in it); a bad setting names its field and value."""
     from tokenmill.protocol.config import EngineArgs
 
-    path = setup[0]
+    path = str(tiny_model("llama-gqa"))
 
     def config(**kwargs):
         args = EngineArgs(model=path, dtype="float32", enable_lora=True, **kwargs)
         return args.create_engine_config().lora_config
 
     assert config(lora_dtype="float32") == config(lora_dtype="auto")
+    assert config(lora_dtype="fp32") == config(lora_dtype=torch.float32)  # dtype='s spellings
     assert config(max_loras=3).max_cpu_loras == 3  # vLLM's default: max_loras
     with pytest.raises(ValueError, match=r"lora_dtype='float16' is not supported.*float32"):
         config(lora_dtype="float16")
