@@ -181,9 +181,11 @@ def _act_and_mul_kernel(
     dtype = gate.dtype
     g = gate.to(tl.float32)
     if GELU_TANH:
-        # 0.5 g (1 + tanh(u)) for u = sqrt(2 / pi) (g + 0.044715 g^3), which is g sigmoid(2u)
+        # 0.5 g (1 + tanh(u)) for u = sqrt(2 / pi) (g + 0.044715 g^3), which is g sigmoid(2u);
+        # the sigmoid from exp(-2|u|) <= 1, which cannot overflow.
         u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = (g / (1.0 + tl.exp(-2.0 * u))).to(dtype)
+        e = tl.exp(-2.0 * tl.abs(u))
+        act = (g * tl.where(u >= 0, 1.0, e) / (1.0 + e)).to(dtype)
     else:
         act = (g / (1.0 + tl.exp(-g))).to(dtype)
     # The activation rounded to x's dtype, as F.silu's / F.gelu's output, then times up.
