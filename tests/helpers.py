@@ -519,3 +519,16 @@ def teacher_forced_logprobs(llm, sequences: list[tuple[list[int], list[int]]]) -
     for (prompt, cont), out in zip(sequences, outs):
         values += [out.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(cont)]
     return torch.tensor(values)
+
+
+def write_lora_adapter(folder, config: dict, rank: int, seed: int, b_scale: float = 0.05) -> str:
+    """A random PEFT adapter on every projection of a Llama-shaped config.json dict, B large
+    enough to change the greedy tokens (the benchmark's writer, scripts/bench_throughput.py)."""
+    from pathlib import Path
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from bench_throughput import write_adapter
+
+    return write_adapter(Path(folder), config, rank, seed, b_scale=b_scale)

@@ -49,9 +49,11 @@ def others(count: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
 
 
 def target_logprobs(path: str, dtype: str, beside: int = 0, prompt: list[int] = TARGET,
-                    repeat: bool = False, **engine_args) -> list:  # fmt: skip
+                    repeat: bool = False, loras: list | None = None,
+                    **engine_args) -> list:  # fmt: skip
     """The target request's sampled tokens and top-20 log-probabilities (as bits), run
-    among `beside` others (it goes in the middle of the batch)."""
+    among `beside` others (it goes in the middle of the batch). `loras`: the target runs
+    loras[0], the others loras[i % len] in turn (None: the base model)."""
     engine_args.setdefault("max_model_len", 512)
     llm = LLM(path, dtype=dtype, batch_invariant=True, skip_tokenizer_init=True,
               multiprocess=False, **engine_args)  # fmt: skip
@@ -61,14 +63,22 @@ def target_logprobs(path: str, dtype: str, beside: int = 0, prompt: list[int] = 
         batch.insert(beside // 2, (prompt, target))
         prompts = [{"prompt_token_ids": p} for p, _ in batch]
         params = [p for _, p in batch]
+        lora = None
+        if loras:
+            lora = [loras[(i + 1) % len(loras)] for i in range(beside)]
+            lora.insert(beside // 2, loras[0])
         if repeat:  # the first run fills the prefix cache, the second hits it
-            llm.generate(prompts, params, use_tqdm=False)
-        out = llm.generate(prompts, params, use_tqdm=False)[beside // 2]
+            llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        out = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)[beside // 2]
         if repeat:
             assert out.num_cached_tokens > 0
         return [
-            (token, sorted((i, torch.tensor(lp.logprob).view(torch.int32).item())
-                           for i, lp in step.items()))  # fmt: skip
+            (
+                token,
+                sorted(
+                    (i, torch.tensor(lp.logprob).view(torch.int32).item()) for i, lp in step.items()
+                ),
+            )
             for token, step in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)
         ]
     finally:
@@ -101,6 +111,31 @@ def alone(tiny_model):
 def test_logits_do_not_depend_on_the_batch(alone, setting: str, dtype: str) -> None:
     path, expected = alone
     assert target_logprobs(path, dtype, **SETTINGS[setting]) == expected[dtype]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=amx_unverified), "float32"])
+def test_a_lora_request_does_not_depend_on_the_batch(tiny_model, tmp_path, dtype: str) -> None:
+    """A request under an adapter: the same bits alone and beside 7 others under another
+    adapter or none, whole or in 16-token chunks (the LoRA kernels reduce each row alone)."""
+    import json
+
+    from helpers import write_lora_adapter
+
+    from tokenmill import LoRARequest
+
+    path = str(tiny_model("llama-gqa"))
+    config = json.loads(open(f"{path}/config.json").read())
+    loras = [
+        LoRARequest("r8", 1, write_lora_adapter(tmp_path / "r8", config, rank=8, seed=1)),
+        LoRARequest("r16", 2, write_lora_adapter(tmp_path / "r16", config, rank=16, seed=2)),
+        None,
+    ]
+    lora_args = dict(enable_lora=True, max_loras=2, max_lora_rank=16)
+    alone = target_logprobs(path, dtype, loras=loras[:1], **lora_args)
+    assert alone != target_logprobs(path, dtype), "the adapter changes nothing"
+    for setting in (dict(beside=7), dict(beside=7, max_num_batched_tokens=16)):
+        assert target_logprobs(path, dtype, loras=loras, **setting, **lora_args) == alone, setting
 
 
 # ----------------------------------------------------------------- the real model, in bf16

@@ -8,11 +8,10 @@ adapters."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_same_greedy_tokens, smollm2_prompts
+from helpers import assert_same_greedy_tokens, smollm2_prompts, write_lora_adapter
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu
@@ -115,15 +114,6 @@ def test_decode_steps_as_one_call_give_the_layer_by_layer_results_bit_for_bit(
             }
 
 
-def _write_adapter(folder, config: dict, rank: int, seed: int) -> str:
-    """A random PEFT adapter on every projection, B large enough to change the greedy tokens
-    (the benchmark's writer)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from bench_throughput import write_adapter
-
-    return write_adapter(folder, config, rank, seed, b_scale=0.05)
-
-
 def test_decode_steps_with_lora_as_one_call_give_the_layer_by_layer_results(
     smollm2_path, tmp_path, monkeypatch
 ):
@@ -131,7 +121,6 @@ def test_decode_steps_with_lora_as_one_call_give_the_layer_by_layer_results(
     decode steps still run as one call, and give the layer-by-layer tokens and
     log-probabilities exactly (SmolLM2, bf16)."""
     import json
-    from pathlib import Path
 
     from tokenmill import LoRARequest
 
@@ -139,8 +128,8 @@ def test_decode_steps_with_lora_as_one_call_give_the_layer_by_layer_results(
         pytest.skip("the CPU kernels cannot be built here")
     config = json.loads((Path(smollm2_path) / "config.json").read_text())
     adapters = [
-        LoRARequest("r8", 1, _write_adapter(tmp_path / "r8", config, rank=8, seed=1)),
-        LoRARequest("r16", 2, _write_adapter(tmp_path / "r16", config, rank=16, seed=2)),
+        LoRARequest("r8", 1, write_lora_adapter(tmp_path / "r8", config, rank=8, seed=1)),
+        LoRARequest("r16", 2, write_lora_adapter(tmp_path / "r16", config, rank=16, seed=2)),
     ]
 
     def run() -> tuple[list, bool]:
