@@ -22,6 +22,10 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 class RMSNorm(CustomOp):
+    # Gemma's norm scales by 1 + w in fp32 (worker/models/gemma.py); Triton's kernel takes
+    # both forms, reducing each row alone.
+    plus_one = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -58,6 +62,5 @@ class RMSNorm(CustomOp):
 
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # per-head norms (Qwen3) come as [T, heads, d]
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps).view(shape)
-        return rms_norm(x, self.weight, self.eps, residual).view(shape), residual
+        out = rms_norm(x, self.weight, self.eps, residual, plus_one=self.plus_one).view(shape)
+        return out if residual is None else (out, residual)

@@ -77,17 +77,9 @@ class GemmaRMSNorm(RMSNorm):
         y = x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return y.mul_(1.0 + self.weight.float()).to(dtype)
 
-    def forward_triton(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        from tokenmill.kernels.layers import rms_norm
-
-        # Triton's kernel reduces each row alone, in one order (torch's CUDA reductions pick
-        # their split by the row count: not batch-invariant).
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # per-head q/k norms come as [T, heads, d]
-        out = rms_norm(x, self.weight, self.eps, residual, plus_one=True).view(shape)
-        return out if residual is None else (out, residual)
+    # RMSNorm.forward_triton runs Triton's kernel in this form (torch's CUDA reductions pick
+    # their split by the row count: not batch-invariant).
+    plus_one = True
 
     def forward_cpu(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -105,9 +97,7 @@ class GeluTanhAndMul(CustomOp):
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
         from tokenmill.kernels.layers import gelu_tanh_and_mul
 
-        shape = x.shape
-        out = gelu_tanh_and_mul(x.reshape(-1, shape[-1]))
-        return out.view(*shape[:-1], shape[-1] // 2)
+        return gelu_tanh_and_mul(x)
 
 
 class GemmaAttention(nn.Module):
